@@ -1,0 +1,218 @@
+"""The patch registry: one small record per patch, applied once, reversible.
+
+Modelled on Liger-Kernel's ``monkey_patch.py`` and ``gevent.monkey``: every patch names its
+target (``module:attr.path``), keeps the original, marks the replacement (``__sat_patches__`` and
+``__wrapped__``) so a second apply changes nothing, and records every ``from x import y`` alias in
+loaded modules that it rebound, so :func:`unpatch_all` can put each one back.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+MARKER = "__sat_patches__"
+
+
+class SatPatchesWarning(UserWarning):
+    """A patch was skipped (SAT's code does not look as verified) or a setting was corrected."""
+
+
+def _env_names(var: str) -> set:
+    return {n.strip() for n in os.environ.get(var, "").split(",") if n.strip()}
+
+
+def code_names(obj) -> set:
+    """Global/attribute names a function's code refers to (used to recognise SAT's code shape)."""
+    obj = getattr(obj, "__func__", obj)
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return set()
+    names = set(code.co_names)
+    for const in code.co_consts:  # nested functions and comprehensions
+        if inspect.iscode(const):
+            names |= set(const.co_names)
+    return names
+
+
+def expect_names(*names: str) -> Callable[[Any], Optional[str]]:
+    """Gate: the original's code must refer to every one of ``names``."""
+    def check(original):
+        missing = [n for n in names if n not in code_names(original)]
+        return f"its code no longer refers to {', '.join(missing)}" if missing else None
+    return check
+
+
+def expect_params(*params: str) -> Callable[[Any], Optional[str]]:
+    """Gate: the original callable must accept every one of ``params``."""
+    def check(original):
+        try:
+            have = inspect.signature(getattr(original, "__func__", original)).parameters
+        except (TypeError, ValueError):
+            return "its signature cannot be read"
+        missing = [p for p in params if p not in have]
+        return f"its signature lacks {', '.join(missing)}" if missing else None
+    return check
+
+
+@dataclass
+class Patch:
+    """Replace ``target`` (``"pkg.module:Attr.path"``) with ``make(original)``."""
+
+    name: str
+    target: str
+    make: Callable[[Any], Any]
+    answers: str
+    verified_on: str = "SwissArmyTransformer 0.4.12"
+    expect: Optional[Callable[[Any], Optional[str]]] = None
+    # state
+    status: str = "pending"
+    reason: str = ""
+    original: Any = None
+    replacement: Any = None
+    rebound: List[Tuple[dict, str]] = field(default_factory=list, repr=False)
+
+    # -- target resolution -------------------------------------------------------------
+    def _owner_and_attr(self):
+        module_name, _, path = self.target.partition(":")
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        return owner, attr
+
+    @staticmethod
+    def _raw(owner, attr):
+        # classes: take the raw descriptor (staticmethod/classmethod) from the class dict
+        if inspect.isclass(owner) and attr in vars(owner):
+            return vars(owner)[attr]
+        return getattr(owner, attr)
+
+    def current(self):
+        owner, attr = self._owner_and_attr()
+        return self._raw(owner, attr)
+
+    def is_applied(self) -> bool:
+        try:
+            return getattr(self.current(), MARKER, None) == self.name
+        except Exception:
+            return False
+
+    # -- apply / restore ---------------------------------------------------------------
+    def apply(self, force: bool = False) -> None:
+        try:
+            owner, attr = self._owner_and_attr()
+            current = self._raw(owner, attr)
+        except Exception as exc:  # target module missing (e.g. DeepSpeed not installed)
+            self.status, self.reason = "skipped", f"target not importable: {exc}"
+            return
+        if getattr(current, MARKER, None) == self.name:
+            self.status, self.reason = "applied", ""
+            return
+        problem = self.expect(current) if self.expect else None
+        if problem and not force:
+            self.status = "skipped"
+            self.reason = f"{self.target} differs from {self.verified_on}: {problem}"
+            warnings.warn(f"sat_patches: skipping patch '{self.name}': {self.reason} "
+                          f"(set SAT_PATCHES_FORCE=1 to apply anyway)", SatPatchesWarning, stacklevel=3)
+            return
+        replacement = self.make(current)
+        _mark(replacement, self.name, current)
+        setattr(owner, attr, replacement)
+        self.original, self.replacement = current, replacement
+        self.rebound = _rebind(current, replacement, self.target.partition(":")[0])
+        self.status, self.reason = "applied", ("forced: " + problem) if problem else ""
+
+    def restore(self) -> None:
+        if self.status != "applied" or self.replacement is None:
+            return
+        owner, attr = self._owner_and_attr()
+        if self._raw(owner, attr) is self.replacement:
+            setattr(owner, attr, self.original)
+        for namespace, name in self.rebound:
+            if namespace.get(name) is self.replacement:
+                namespace[name] = self.original
+        self.rebound, self.replacement = [], None
+        self.status, self.reason = "restored", ""
+
+
+def _mark(obj, name, original):
+    target = getattr(obj, "__func__", obj)  # staticmethod/classmethod: mark the function too
+    for o in {id(obj): obj, id(target): target}.values():
+        try:
+            setattr(o, MARKER, name)
+            if not hasattr(o, "__wrapped__"):
+                setattr(o, "__wrapped__", getattr(original, "__func__", original))
+        except (AttributeError, TypeError):
+            pass
+
+
+def _rebind(original, replacement, target_module: str) -> List[Tuple[dict, str]]:
+    """Rebind ``from x import y`` aliases of ``original`` in SAT's (and the target package's) modules."""
+    roots = {"sat", target_module.split(".")[0]}
+    rebound = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name.split(".")[0] in roots or mod_name == "__main__"):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for name, value in list(namespace.items()):
+            if value is original:
+                namespace[name] = replacement
+                rebound.append((namespace, name))
+    return rebound
+
+
+class Registry:
+    """The ordered set of patches; see :func:`sat_patches.apply`."""
+
+    def __init__(self):
+        self.patches: List[Patch] = []
+
+    def add(self, *patches: Patch) -> None:
+        known = {p.name for p in self.patches}
+        for p in patches:
+            if p.name in known:
+                raise ValueError(f"duplicate patch name {p.name}")
+            known.add(p.name)
+            self.patches.append(p)
+
+    def get(self, name: str) -> Patch:
+        for p in self.patches:
+            if p.name == name:
+                return p
+        raise KeyError(f"no patch named {name!r}; known: {', '.join(self.names())}")
+
+    def names(self) -> List[str]:
+        return [p.name for p in self.patches]
+
+    def apply_all(self, disable=(), force=None) -> None:
+        disabled = set(disable) | _env_names("SAT_PATCHES_DISABLE")
+        unknown = disabled - set(self.names()) - {"all"}
+        if unknown:
+            warnings.warn(f"sat_patches: SAT_PATCHES_DISABLE names unknown patches {sorted(unknown)}; "
+                          f"known: {', '.join(self.names())}", SatPatchesWarning, stacklevel=3)
+        if force is None:
+            force = os.environ.get("SAT_PATCHES_FORCE", "") not in ("", "0")
+        for p in self.patches:
+            if p.name in disabled or "all" in disabled:
+                if p.status != "applied":
+                    p.status, p.reason = "disabled", "SAT_PATCHES_DISABLE"
+                continue
+            p.apply(force=force)
+
+    def unpatch_all(self) -> None:
+        for p in reversed(self.patches):
+            p.restore()
+
+    def table(self) -> List[dict]:
+        return [dict(name=p.name, target=p.target, status=p.status, reason=p.reason,
+                     answers=p.answers, verified_on=p.verified_on) for p in self.patches]
+
+
+REGISTRY = Registry()
