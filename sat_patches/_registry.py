@@ -97,10 +97,16 @@ class Patch:
         return self._raw(owner, attr)
 
     def is_applied(self) -> bool:
+        """True when this patch's replacement is on the target (possibly wrapped by a later patch)."""
         try:
-            return getattr(self.current(), MARKER, None) == self.name
+            obj = self.current()
         except Exception:
             return False
+        while obj is not None:
+            if obj is self.replacement or getattr(obj, MARKER, None) == self.name:
+                return True
+            obj = getattr(getattr(obj, "__func__", obj), "__wrapped__", None)
+        return False
 
     # -- apply / restore ---------------------------------------------------------------
     def apply(self, force: bool = False) -> None:
@@ -110,10 +116,11 @@ class Patch:
         except Exception as exc:  # target module missing (e.g. DeepSpeed not installed)
             self.status, self.reason = "skipped", f"target not importable: {exc}"
             return
-        if getattr(current, MARKER, None) == self.name:
+        if self.is_applied():
             self.status, self.reason = "applied", ""
             return
-        problem = self.expect(current) if self.expect else None
+        # gate on SAT's own code, under any patch applied before this one
+        problem = self.expect(_innermost(current)) if self.expect else None
         if problem and not force:
             self.status = "skipped"
             self.reason = f"{self.target} differs from {self.verified_on}: {problem}"
@@ -138,6 +145,11 @@ class Patch:
                 namespace[name] = self.original
         self.rebound, self.replacement = [], None
         self.status, self.reason = "restored", ""
+
+
+def _innermost(obj):
+    func = getattr(obj, "__func__", obj)
+    return inspect.unwrap(func) if callable(func) else obj
 
 
 def _mark(obj, name, original):

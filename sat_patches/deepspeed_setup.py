@@ -30,13 +30,14 @@ def lint_deepspeed_config(config: dict) -> dict:
     return config
 
 
-def _setup_optimizer(original):
+def _lint_before_deepspeed(original):
+    """SAT hands ``args.deepspeed_config`` to DeepSpeed first in ``initialize_distributed``."""
     @functools.wraps(original)
-    def setup_model_untrainable_params_and_optimizer(args, model, config_params=None):
+    def initialize_distributed(args):
         if isinstance(getattr(args, "deepspeed_config", None), dict):
             lint_deepspeed_config(args.deepspeed_config)
-        return original(args, model, config_params)
-    return setup_model_untrainable_params_and_optimizer
+        return original(args)
+    return initialize_distributed
 
 
 def _build_shm_op(original):
@@ -50,11 +51,9 @@ def _build_shm_op(original):
 
 
 PATCHES = [
-    Patch("deepspeed_config_lint",
-          "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
-          _setup_optimizer,
+    Patch("deepspeed_config_lint", "sat.arguments:initialize_distributed", _lint_before_deepspeed,
           answers="SAT's bundled configs: min_loss_scale 0.01 (DeepSpeed ValidationError); CPU FusedAdam build",
-          expect=expect_names("initialize", "deepspeed_config")),
+          expect=expect_names("deepspeed_config")),
     Patch("deepspeed_no_shm_build", "deepspeed.comm.torch:build_shm_op", _build_shm_op,
           answers="DeepSpeed JIT-compiles its ShareMemComm op with g++ on CPU ranks",
           verified_on="deepspeed 0.19.8",

@@ -52,7 +52,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     out = out.to(x.dtype)
     if inplace:
-        x[..., :rotary_dim].copy_(out)
+        # like the triton kernel, write the memory without an autograd record (x is often a view
+        # from split(); SAT's autograd.Function owns the gradient)
+        x.data[..., :rotary_dim].copy_(out)
         return x
     if rotary_dim < headdim:
         out = torch.cat((out, x[..., rotary_dim:]), dim=-1)

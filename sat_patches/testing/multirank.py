@@ -1,0 +1,153 @@
+"""Run a function or a script on N local ranks (one process each) with a hard timeout.
+
+Every rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT on loopback) and ``OMP_NUM_THREADS=1``. ``patches`` selects what each rank
+imports first: ``True`` (every patch), ``"stock"`` (stock SAT plus only the CPU stand-ins a GPU
+user does not need: see :data:`CPU_STANDINS`), or an iterable of patch names to disable.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+
+# Stand-ins for what a GPU machine has (triton, a CUDA rotary kernel); kept in "stock" runs so that
+# stock SAT can be imported and run on CPU at all.
+CPU_STANDINS = ("triton_rotary_import", "rotary_torch_fallback")
+
+
+def stock_disable() -> List[str]:
+    import sat_patches
+    return [n for n in sat_patches.names() if n not in CPU_STANDINS]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    result: Any = None
+    timed_out: bool = False
+    exception: Optional[str] = None
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _patch_env(patches) -> dict:
+    if patches is True:
+        return {"SAT_PATCHES_IMPORT": "1", "SAT_PATCHES_DISABLE": ""}
+    if patches == "stock":
+        return {"SAT_PATCHES_IMPORT": "1", "SAT_PATCHES_DISABLE": ",".join(stock_disable())}
+    if patches is False or patches is None:
+        return {"SAT_PATCHES_IMPORT": "0", "SAT_PATCHES_DISABLE": ""}
+    return {"SAT_PATCHES_IMPORT": "1", "SAT_PATCHES_DISABLE": ",".join(patches)}
+
+
+def _launch(cmds: Sequence[List[str]], envs: Sequence[dict], timeout: float, workdir: str) -> List[RankResult]:
+    procs, files = [], []
+    for rank, (cmd, env) in enumerate(zip(cmds, envs)):
+        out = open(os.path.join(workdir, f"rank{rank}.out"), "w+")
+        err = open(os.path.join(workdir, f"rank{rank}.err"), "w+")
+        files.append((out, err))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    timed_out = [False] * len(procs)
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out[i] = True
+    for i, p in enumerate(procs):  # whoever is left when the deadline passed
+        if p.poll() is None:
+            timed_out[i] = True
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, files)):
+        out.seek(0), err.seek(0)
+        results.append(RankResult(rank, p.returncode, out.read(), err.read(), timed_out=timed_out[rank]))
+        out.close(), err.close()
+    return results
+
+
+def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nnodes_local=None) -> dict:
+    e = dict(os.environ)
+    e.update({
+        "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % (nnodes_local or nranks)),
+        "LOCAL_WORLD_SIZE": str(nnodes_local or nranks), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+    })
+    e.update(_patch_env(patches))
+    if env:
+        e.update({k: str(v) for k, v in env.items()})
+    return e
+
+
+def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwargs: Optional[dict] = None,
+              timeout: float = 120, patches: Any = True, env: Optional[dict] = None) -> List[RankResult]:
+    """Call ``fn(*args, **kwargs)`` on ``nranks`` processes; returns one :class:`RankResult` per rank.
+
+    ``fn`` is a module-level function or ``"module:function"``. Its return value (picklable) is
+    ``result``; an exception it raises is ``exception`` (formatted traceback) and exit code 1.
+    """
+    target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="satp-ranks-") as workdir:
+        payload = os.path.join(workdir, "payload.pkl")
+        with open(payload, "wb") as f:
+            pickle.dump((target, args, kwargs or {}), f)
+        cmds, envs = [], []
+        for rank in range(nranks):
+            result_file = os.path.join(workdir, f"result{rank}.pkl")
+            cmds.append([sys.executable, "-m", "sat_patches.testing._rank_main", payload, result_file])
+            envs.append(_rank_env(rank, nranks, port, patches, env))
+        results = _launch(cmds, envs, timeout, workdir)
+        for r in results:
+            path = os.path.join(workdir, f"result{r.rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    kind, value = pickle.load(f)
+                if kind == "ok":
+                    r.result = value
+                else:
+                    r.exception = value
+    return results
+
+
+def run_script(argv: Sequence[str], nranks: int = 2, timeout: float = 300, patches: Any = True,
+               env: Optional[dict] = None, cwd: Optional[str] = None) -> List[RankResult]:
+    """Run ``python <argv>`` (a script path or ``-m module``) on ``nranks`` ranks."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="satp-ranks-") as workdir:
+        cmds = [[sys.executable, "-m", "sat_patches.testing._rank_main", "--script", *argv]
+                for _ in range(nranks)]
+        envs = [_rank_env(rank, nranks, port, patches, env) for rank in range(nranks)]
+        if cwd:
+            for e in envs:
+                e["SAT_PATCHES_CWD"] = cwd
+        return _launch(cmds, envs, timeout, workdir)

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sat_patches",
+    version="0.1.0",
+    description="Make multi-GPU LoRA fine-tuning of CogVLM/CogAgent on SwissArmyTransformer work",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["sat_patches", "sat_patches.*"]),
+    package_data={"sat_patches": ["configs/*.json", "py.typed"]},
+    python_requires=">=3.9",
+    install_requires=[
+        # the SAT code the patches are verified on; each patch re-checks the code shape at import
+        "SwissArmyTransformer>=0.4.12,<0.4.13",
+        # a range, so that a user's own CUDA build is kept (tests install torch==2.13.0 first)
+        "torch>=2.1",
+        "deepspeed>=0.12",
+        "bitsandbytes",
+        "einops",
+        # imported by SAT 0.4.12 without being declared
+        "requests",
+        "wandb",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["sat-patches=sat_patches.cli:main"]},
+)

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped on CPU-only machines")
+    config.addinivalue_line("markers", "multirank: starts several processes")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="GPU-only: this machine has no CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
