@@ -1,4 +1,22 @@
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+PTH = "sat_patches.pth"  # runs _sat_patches_boot at start-up: `import sat` works without triton
+
+
+class BuildPyWithPth(build_py):
+    """Install sat_patches.pth beside the package in site-packages (as pytest-cov does)."""
+
+    def run(self):
+        super().run()
+        shutil.copy(PTH, os.path.join(self.build_lib, PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
 
 setup(
     name="sat_patches",
@@ -7,6 +25,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["sat_patches", "sat_patches.*"]),
+    py_modules=["_sat_patches_boot"],
+    cmdclass={"build_py": BuildPyWithPth},
     package_data={"sat_patches": ["configs/*.json", "py.typed"]},
     python_requires=">=3.9",
     install_requires=[

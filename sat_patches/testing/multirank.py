@@ -99,7 +99,7 @@ def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], n
         "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % (nnodes_local or nranks)),
         "LOCAL_WORLD_SIZE": str(nnodes_local or nranks), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
         "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
     })
     e.update(_patch_env(patches))
