@@ -37,18 +37,11 @@ def process_group_backend(requested: str = "nccl") -> str:
 
 
 def _initialize_distributed(original):
-    """sat/arguments.py initialize_distributed: NCCL-only group; ``torch.cuda.set_device`` on CPU."""
+    """sat/arguments.py initialize_distributed: the group is created NCCL-only (CogVLM 328, SAT 173)."""
     @functools.wraps(original)
     def initialize_distributed(args):
         if not dist.is_initialized():
             args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
-            device = devices.sat_device_arg()
-            # SAT calls torch.cuda.set_device(args.device) unless args.device == 'cpu'
-            args.device = device if isinstance(device, int) else "cpu"
-            try:
-                return original(args)
-            finally:
-                args.device = device
         return original(args)
     return initialize_distributed
 
@@ -56,26 +49,32 @@ def _initialize_distributed(original):
 def _get_args(original):
     """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU.
 
-    SAT compares ``args.local_rank`` with ``args.device`` before it sets up torch.distributed. Without
-    CUDA it sets ``args.device = 'cpu'`` and refuses to train. The device is the policy's; the
-    consistency check is satisfied by deferring the device until ``initialize_distributed``.
+    Without CUDA SAT sets ``args.device = 'cpu'``, then compares it with ``args.local_rank`` and
+    refuses to train. While SAT checks (and sets up torch.distributed) both name the CPU device;
+    the integer local rank is put back before ``get_args`` returns.
     """
     @functools.wraps(original)
     def get_args(args_list=None, parser=None):
+        if devices.compute_device().type == "cuda":
+            return original(args_list, parser)
         parser = parser if parser is not None else argparse.ArgumentParser(description="sat")
-        parse = parser.parse_args
+        parse, local_rank = parser.parse_args, []
 
         def parse_args(*a, **kw):
             ns = parse(*a, **kw)
-            if getattr(ns, "device", None) == -1 and devices.compute_device().type != "cuda":
-                ns.device = ns.local_rank if ns.local_rank is not None else devices.local_rank()
+            if getattr(ns, "device", None) == -1:
+                local_rank.append(ns.local_rank if ns.local_rank is not None else devices.local_rank())
+                ns.device = ns.local_rank = "cpu"
             return ns
 
         parser.parse_args = parse_args
         try:
-            return original(args_list, parser)
+            args = original(args_list, parser)
         finally:
             del parser.parse_args
+        if local_rank:
+            args.local_rank = local_rank[0]
+        return args
     return get_args
 
 

@@ -1,4 +1,21 @@
 """Test support: run code on several CPU ranks over gloo, and tiny SAT models."""
 from .multirank import RankResult, run_ranks, run_script, free_port, CPU_STANDINS, stock_disable
 
-__all__ = ["RankResult", "run_ranks", "run_script", "free_port", "CPU_STANDINS", "stock_disable"]
+__all__ = ["RankResult", "run_ranks", "run_script", "free_port", "CPU_STANDINS", "stock_disable",
+           "patches_removed"]
+
+import contextlib
+
+
+@contextlib.contextmanager
+def patches_removed(*names):
+    """Inside the block the named patches (all when none named) are undone; re-applied after."""
+    import sat_patches
+    from sat_patches._registry import REGISTRY
+    chosen = [REGISTRY.get(n) for n in names] if names else list(REGISTRY.patches)
+    for p in reversed(chosen):
+        p.restore()
+    try:
+        yield
+    finally:
+        sat_patches.apply()

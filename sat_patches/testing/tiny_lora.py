@@ -98,7 +98,13 @@ def main(argv=None):
     py_parser = argparse.ArgumentParser(add_help=False)
     py_parser.add_argument("--loss-log", default=None, help="JSON file per rank; '{rank}' is filled in")
     argv = sys.argv[1:] if argv is None else argv
+    py_parser.add_argument("--cuda-only-backend", default=None,
+                           help="register a CUDA-only backend of this name (testing.fake_backend) and use it")
     known, rest = py_parser.parse_known_args(argv)
+    if known.cuda_only_backend:
+        from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+        rest += ["--distributed-backend", register_cuda_only_backend(known.cuda_only_backend)]
+        simulate_cuda_barrier()
     cls = model_class()
     parser = cls.add_model_specific_args(argparse.ArgumentParser(description="tiny lora"))
     args = get_args(DEFAULT_ARGS + rest, parser)

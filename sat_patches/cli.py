@@ -1,0 +1,40 @@
+"""``sat-patches`` command line: ``status`` (more subcommands register themselves in COMMANDS)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def cmd_status(args) -> int:
+    import sat_patches
+    rows = sat_patches.status()
+    print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))
+    return 0 if all(r["status"] in ("applied", "not needed", "disabled") for r in rows) else 1
+
+
+def _status_parser(sub):
+    p = sub.add_parser("status", help="which patches are applied, skipped or disabled, and why")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+
+# (name, function that adds the subparser); other modules append theirs
+COMMANDS = [("status", _status_parser)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sat-patches", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for _, add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""CogVLM and CogAgent for SAT 0.4.12, plus tiny local stand-ins for their data and tokenizer.
+
+Our own implementation of the architectures in THUDM/CogVLM (``utils/models/*``) with upstream's
+parameter names and ``model_config.json`` fields, so released SAT checkpoints (``cogvlm-base-490``,
+``cogagent-chat``) load, and small configurations build in milliseconds for tests and CPU runs.
+
+Modules, one concern each:
+    placement        dtype/device/skip_init of new parameters
+    llama            LLaMA base (RMSNorm, SiLU, LM head) without SAT's discarded mixins
+    vision_expert    vision-expert attention and MLP mixins (upstream ``mixin.py``)
+    eva_clip         EVA2-CLIP tower (upstream ``eva_clip_model.py``)
+    eva_clip_large   CogAgent's high-resolution EVA2-CLIP-L encoder (upstream ``eva_clip_L_hf.py``)
+    image_mixin      GLU projector + image-slot filling (upstream ``ImageMixin``)
+    models           CogVLMModel, FineTuneTrainCogVLMModel, CogAgentModel, FineTuneTrainCogAgentModel
+    config           upstream/tiny model_config.json, ``tiny_args``, SAT checkpoint folder writer
+    image_processor  PIL/numpy/torch image preprocessing (upstream ``BlipImageEvalProcessor``)
+    text_processor   prompt templates + ``llama2_text_processor``
+    tokenizer        tiny sentencepiece tokenizer, ``llama2_tokenizer`` loader
+    captcha_data     CAPTCHA image folder generator (PyPI ``captcha``)
+    dataset          ``ItemDataset`` and ``data_collator``
+    tiny             one-call preparation of a tiny run's model/tokenizer/data folders
+
+Tiny run, as upstream's ``finetune_demo`` does it::
+
+    import sat_patches
+    from sat_patches.cogvlm import prepare_tiny_run, FineTuneTrainCogVLMModel, llama2_tokenizer, \\
+        llama2_text_processor, get_image_processor, ItemDataset, data_collator
+    run = prepare_tiny_run("/tmp/tiny", "cogvlm")
+    model, args = FineTuneTrainCogVLMModel.from_pretrained(run.model_dir, args)
+    tokenizer = llama2_tokenizer(run.tokenizer_dir, signal_type="base")
+    text_processor = llama2_text_processor(tokenizer, run.max_length, args.image_length)
+    image_processor = get_image_processor(args.eva_args["image_size"][0])
+    train = ItemDataset(image_processor, text_processor, args, run.train_dir)
+"""
+import sat_patches  # noqa: F401  (makes ``import sat`` work without triton/CUDA)
+
+from .captcha_data import make_captcha_dataset
+from .config import (TINY_MAX_LENGTH, UPSTREAM_CONFIGS, model_class_for, model_config_dict, read_model_config,
+                     save_pretrained_dir, tiny_args, tiny_config, write_model_config)
+from .dataset import EmptyDatasetError, ItemDataset, data_collator
+from .eva_clip import EVA2CLIPModel
+from .eva_clip_large import EVA_CLIP_L_DEFAULTS, ExternalVisionModel
+from .image_mixin import GLU, ImageMixin, vision_args
+from .image_processor import BlipImageEvalProcessor, get_image_processor
+from .models import CogAgentModel, CogVLMModel, FineTuneTrainCogAgentModel, FineTuneTrainCogVLMModel
+from .text_processor import TextProcessor, llama2_text_processor
+from .tiny import TinyRun, build_tiny_model, prepare_tiny_run
+from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
+from .vision_expert import LlamaVisionExpertAttnMixin, LlamaVisionExpertFCMixin
+
+__all__ = [
+    "make_captcha_dataset", "TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_class_for", "model_config_dict",
+    "read_model_config", "save_pretrained_dir", "tiny_args", "tiny_config", "write_model_config",
+    "EmptyDatasetError", "ItemDataset", "data_collator", "EVA2CLIPModel", "EVA_CLIP_L_DEFAULTS",
+    "ExternalVisionModel", "GLU", "ImageMixin", "vision_args", "BlipImageEvalProcessor", "get_image_processor",
+    "CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel", "TextProcessor",
+    "llama2_text_processor", "TinyRun", "build_tiny_model", "prepare_tiny_run", "check_vocab",
+    "llama2_tokenizer", "train_tiny_tokenizer", "LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin",
+]

@@ -1,0 +1,136 @@
+"""The fine-tuning data set and batch collation of CogVLM's CAPTCHA demo.
+
+Mirrors ``ItemDataset`` of CogVLM ``utils/utils/dataset.py`` (a folder of ``.jpg`` files whose stem is
+the label; prompt ``CAPTCHA:``; each item is the image inputs under ``vision`` (and ``cross`` for
+CogAgent) plus the text processor's output) and ``data_collator`` of
+``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (image inputs flattened to ``vision_*``/``cross_*``,
+tensors concatenated along the batch).
+
+Unlike upstream, which logs and returns an empty item for an image it cannot open, unreadable images
+are found when the data set is built: they are skipped and counted (``skipped``), and a folder with
+no readable image raises :class:`EmptyDatasetError`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "CAPTCHA:"
+IMAGE_SUFFIXES = (".jpg",)
+
+
+class EmptyDatasetError(ValueError):
+    """No usable image in the data folder."""
+
+
+def find_images(path: str, suffixes=IMAGE_SUFFIXES) -> List[str]:
+    found = []
+    for folder, _, files in os.walk(path, followlinks=True):
+        found += [os.path.join(folder, f) for f in files if f.lower().endswith(suffixes)]
+    return sorted(found)
+
+
+def load_rgb(path: str) -> Image.Image:
+    with Image.open(path) as image:
+        return image.convert("RGB")  # decodes the whole file: truncated or corrupt files fail here
+
+
+class ItemDataset(Dataset):
+    """``ItemDataset(image_processor, text_processor, args, data_dir, cross_image_processor=None)``."""
+
+    def __init__(self, image_processor: Callable, text_processor: Callable, args=None, data_dirs: str = "",
+                 cross_image_processor: Optional[Callable] = None, prompt: str = PROMPT, validate: bool = True,
+                 **kwargs):
+        super().__init__()
+        self.image_processor = image_processor
+        self.text_processor = text_processor
+        self.cross_image_processor = cross_image_processor
+        self.prompt = prompt
+        self.data_dir = data_dirs
+        self.skipped: List[Tuple[str, str]] = []
+        self.failed_items = 0
+        self.data = self._load(data_dirs, validate)
+
+    def _load(self, data_dir: str, validate: bool) -> List[str]:
+        if not os.path.isdir(data_dir):
+            raise EmptyDatasetError(f"data folder {data_dir!r} does not exist")
+        files = find_images(data_dir)
+        usable = []
+        for path in files:
+            if validate:
+                try:
+                    load_rgb(path)
+                except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
+                    self.skipped.append((path, f"{type(exc).__name__}: {exc}"))
+                    logger.warning("skipping unreadable image %s: %s", path, exc)
+                    continue
+            usable.append(path)
+        if not usable:
+            reason = (f"all {len(files)} .jpg files are unreadable (first: {self.skipped[0][0]}: {self.skipped[0][1]})"
+                      if files else "it holds no .jpg file")
+            raise EmptyDatasetError(f"no usable CAPTCHA image in {data_dir!r}: {reason}")
+        if self.skipped:
+            logger.warning("%s: skipped %d unreadable of %d images", data_dir, len(self.skipped), len(files))
+        return usable
+
+    @staticmethod
+    def label_of(path: str) -> str:
+        return os.path.splitext(os.path.basename(path))[0]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        path = self.data[index]
+        try:
+            image = load_rgb(path)
+        except Exception as exc:  # changed since the data set was built: upstream's empty item
+            self.failed_items += 1
+            logger.warning("image %s became unreadable: %s", path, exc)
+            return {}
+        item = {"vision": self.image_processor(image)}
+        if self.cross_image_processor is not None:
+            item["cross"] = self.cross_image_processor(image)
+        label = self.label_of(path)
+        text = self.text_processor(label, self.prompt)
+        if text is None:
+            logger.warning("text of %s does not fit max_target_length", path)
+            return {}
+        return {**item, **text, "question_id": label}
+
+
+def _as_tensor(value):
+    if isinstance(value, list):
+        return torch.tensor(value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    return value
+
+
+def data_collator(examples, cross_image_processor=None) -> dict:
+    """Batch items of :class:`ItemDataset`: tensors are concatenated on dim 0; other values (None,
+    the question id) come from the last item; ``vision``/``cross`` become ``vision_*``/``cross_*``.
+    Empty items are dropped. Pass ``cross_image_processor`` (anything not None) for CogAgent."""
+    examples = [ex for ex in examples if ex]
+    if not examples:
+        raise ValueError("data_collator: every item of the batch was empty (unreadable or too long)")
+    groups = ["vision"] + (["cross"] if cross_image_processor is not None else [])
+    batch = {}
+    for group in groups:
+        for key, value in examples[-1][group].items():
+            values = [_as_tensor(ex[group][key]) for ex in examples]
+            batch[f"{group}_{key}"] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
+    for key in examples[-1]:
+        if key in ("vision", "cross"):
+            continue
+        values = [_as_tensor(ex[key]) for ex in examples]
+        batch[key] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
+    return batch

@@ -1,0 +1,47 @@
+"""Everything a tiny CogVLM/CogAgent fine-tuning run needs, made locally in one folder.
+
+``prepare_tiny_run(workdir, kind)`` writes a tokenizer (``tokenizer/``), CAPTCHA train and valid
+folders (``data/train``, ``data/valid``) and a randomly initialised model in SAT's checkpoint layout
+(``model/``), so a training script can follow upstream's ``finetune_demo`` unchanged:
+``--from_pretrained <workdir>/model --local_tokenizer <workdir>/tokenizer --train-data
+<workdir>/data/train --valid-data <workdir>/data/valid --max_length 80``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .captcha_data import make_captcha_dataset
+from .config import TINY_MAX_LENGTH, model_class_for, save_pretrained_dir, tiny_args
+from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
+
+
+@dataclass
+class TinyRun:
+    kind: str
+    model_dir: str
+    tokenizer_dir: str
+    train_dir: str
+    valid_dir: str
+    max_length: int = TINY_MAX_LENGTH
+
+
+def build_tiny_model(kind: str = "cogvlm", **overrides):
+    """``(model, args)`` of the tiny FineTuneTrain model, built with SAT's ``get_model``."""
+    from sat.model.base_model import get_model
+    args = tiny_args(kind, **overrides)
+    return get_model(args, model_class_for(kind)), args
+
+
+def prepare_tiny_run(workdir: str, kind: str = "cogvlm", n_train: int = 64, n_valid: int = 8,
+                     seed: int = 0) -> TinyRun:
+    run = TinyRun(kind, os.path.join(workdir, "model"), os.path.join(workdir, "tokenizer"),
+                  os.path.join(workdir, "data", "train"), os.path.join(workdir, "data", "valid"))
+    train_tiny_tokenizer(run.tokenizer_dir, seed=seed)
+    train = make_captcha_dataset(run.train_dir, n_train, seed=seed)
+    train_labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
+    make_captcha_dataset(run.valid_dir, n_valid, seed=seed + 1, exclude=train_labels)
+    model, args = build_tiny_model(kind, seed=seed)
+    check_vocab(llama2_tokenizer(run.tokenizer_dir), args.vocab_size, args.pad_token_id)
+    save_pretrained_dir(model, args, run.model_dir)
+    return run
