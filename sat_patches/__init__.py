@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Iterable, List
 
 from ._registry import REGISTRY, Patch, SatPatchesWarning
-from . import devices, distributed, deepspeed_setup, rotary, lora, construction
+from . import devices, distributed, deepspeed_setup, rotary, lora, construction, loading
 
 __version__ = "0.1.0"
 
 # Order matters: the rotary module substitute must be in place before anything imports sat.
-REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *construction.PATCHES)
+REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *construction.PATCHES, *loading.PATCHES)
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:

@@ -61,14 +61,13 @@ def _shard_for(full, state_dict, layout, mp, rank):
     return shard, helper_vs_sat
 
 
-def mp_equivalence():
-    """Rank function: max |MP=2 - MP=1| of logits, LoRA gradients, and logits after merge_lora."""
+def _compare():
+    """max |MP=2 - MP=1| of logits, LoRA gradients, and logits after merge_lora."""
     import torch
     import torch.distributed as dist
     from sat import mpu
     from sat_patches.lora import COLUMN, ROW, lora_layout, merge_lora_state_dicts
 
-    dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g))
 
@@ -91,13 +90,14 @@ def mp_equivalence():
     logits, grads = _step(model, batch)
 
     gathered = [None, None]
-    dist.all_gather_object(gathered, {k: v for k, v in grads.items()}, group=mpu.get_model_parallel_group())
+    dist.all_gather_object(gathered, grads, group=mpu.get_model_parallel_group())
     full_grads = merge_lora_state_dicts(gathered, layout)
     replicated = [k for k in grads if (layout[k.rsplit(".", 2)[0]].kind, k.rsplit(".", 2)[1])
                   in {(COLUMN, "matrix_A"), (ROW, "matrix_B")}]
 
     model.get_mixin("lora").merge_lora()
     merged_logits, _ = _step(model, batch)
+    mpu.destroy_model_parallel()
     layer = model.transformer.layers[0].attention
     return {
         "forward": float((logits - ref_logits).abs().max()),
@@ -110,15 +110,34 @@ def mp_equivalence():
     }
 
 
-def _run(patches):
-    results = run_ranks(mp_equivalence, nranks=2, timeout=120, patches=patches)
+CASES = {"patched": (), "without lora_linear": ("lora_linear",), "without lora_merge": ("lora_merge",)}
+
+
+def mp_equivalence():
+    """Rank function: :func:`_compare` with every patch, then with each LoRA patch removed."""
+    import torch.distributed as dist
+    from sat_patches.testing import patches_removed
+    dist.init_process_group("gloo")
+    results = {}
+    for case, removed in CASES.items():
+        if removed:
+            with patches_removed(*removed):
+                results[case] = _compare()
+        else:
+            results[case] = _compare()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    results = run_ranks(mp_equivalence, nranks=2, timeout=150)
     for r in results:
         assert r.ok, r.exception or r.output[-3000:]
     return [r.result for r in results]
 
 
-def test_mp2_equals_mp1_forward_grads_and_merged():
-    for res in _run(patches=True):
+def test_mp2_equals_mp1_forward_grads_and_merged(ranks):
+    for res in (r["patched"] for r in ranks):
         assert res["helper_vs_sat_partition"] == 0.0
         assert res["forward"] < TOL, res
         assert res["grads"] < TOL, res
@@ -127,16 +146,16 @@ def test_mp2_equals_mp1_forward_grads_and_merged():
         assert res["merged_types"] == ["ColumnParallelLinear", "RowParallelLinear"], res
 
 
-def test_without_lora_linear_mp2_differs_from_mp1():
+def test_without_lora_linear_mp2_differs_from_mp1(ranks):
     """Stock LoraLinear: x @ A^T of RowParallel LoRA is never all-reduced."""
-    for res in _run(patches=["lora_linear"]):
+    for res in (r["without lora_linear"] for r in ranks):
         assert res["forward"] > 1e-2, res
         assert res["grads"] > 1e-3 * res["grad_scale"], res
 
 
-def test_without_lora_merge_merged_model_differs():
+def test_without_lora_merge_merged_model_differs(ranks):
     """Stock merge_linear_lora: a plain nn.Linear of the rank-local weight replaces the parallel layer."""
-    for res in _run(patches=["lora_merge"]):
+    for res in (r["without lora_merge"] for r in ranks):
         assert res["forward"] < TOL, res  # the LoRA layer itself is right ...
         assert res["merged"] > 1e-2, res  # ... its merge is not
         assert res["merged_types"] == ["Linear", "Linear"], res
