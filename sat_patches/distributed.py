@@ -7,13 +7,17 @@ with device type cpu`` (CogVLM 328, SAT 173). The policy here gives CPU tensors 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from . import devices
-from ._registry import Patch, expect_names, expect_params
+from ._registry import Patch, SatPatchesWarning, expect_names, expect_params
+
+NO_BACKEND = "No backend type associated with device type"
 
 
 def process_group_backend(requested: str = "nccl") -> str:
@@ -78,10 +82,77 @@ def _get_args(original):
     return get_args
 
 
+@contextlib.contextmanager
+def explained_collectives(where: str, named_tensors):
+    """Re-raise "No backend type associated with device type X" naming the SAT call site and the
+    first tensor on a device the process group has no backend for."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if NO_BACKEND not in str(exc):
+            raise
+        backend = str(dist.get_backend()) if dist.is_initialized() else "?"
+        served = _devices_served(backend)
+        culprit = next(((n, t) for n, t in named_tensors() if t.device.type not in served), None)
+        what = (f"tensor '{culprit[0]}' is on {culprit[1].device}" if culprit
+                else "a tensor is on a device")
+        raise RuntimeError(
+            f"{exc}\nsat_patches: in {where}: {what}, and the process group (backend '{backend}') has "
+            f"no backend for it. Create the group with backend 'cpu:gloo,cuda:nccl' (sat_patches' "
+            f"process_group_backend patch does this unless disabled) or put the tensor on the compute "
+            f"device {devices.compute_device()}.") from exc
+
+
+def _devices_served(backend: str) -> set:
+    if ":" in backend:
+        return {part.split(":")[0].strip() for part in backend.split(",")}
+    return set(dist.Backend.backend_capability.get(backend.lower(), ["cpu", "cuda"]))
+
+
+def training_device(args, model_given: bool):
+    """The device ``training_main`` moves a passed-in model to: the compute device, not a 'cpu' that
+    CogVLM's QLoRA demo put in ``args.device`` while CUDA is present."""
+    compute = devices.compute_device()
+    if model_given and compute.type == "cuda" and str(getattr(args, "device", "")) == "cpu":
+        warnings.warn("args.device is 'cpu' but this rank computes on CUDA; training_main would move the "
+                      f"whole model back to CPU. Using {compute}.", SatPatchesWarning, stacklevel=3)
+        return compute.index
+    return args.device
+
+
+def _training_main(original):
+    """sat training_main: moves a passed-in model to ``args.device`` (CPU on the QLoRA demo path)."""
+    @functools.wraps(original)
+    def training_main(args, model_cls, *a, **kw):
+        args.device = training_device(args, model_given=not isinstance(model_cls, type))
+        return original(args, model_cls, *a, **kw)
+    return training_main
+
+
+def _setup_with_explained_sync(original):
+    """SAT's "Syncing initialized parameters" broadcast: name the parameter when it has no backend."""
+    @functools.wraps(original)
+    def setup_model_untrainable_params_and_optimizer(args, model, config_params=None):
+        module = getattr(model, "module", model)
+        with explained_collectives(
+                "SAT's 'Syncing initialized parameters' (sat/training/deepspeed_training.py "
+                "setup_model_untrainable_params_and_optimizer)", module.named_parameters):
+            return original(args, model, config_params)
+    return setup_model_untrainable_params_and_optimizer
+
+
 PATCHES = [
     Patch("process_group_backend", "sat.arguments:initialize_distributed", _initialize_distributed,
           answers="CogVLM 328, SAT 173: No backend type associated with device type cpu",
           expect=expect_names("init_process_group", "distributed_backend")),
+    Patch("explain_sync_collective",
+          "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
+          _setup_with_explained_sync,
+          answers="CogVLM 328: the NCCL error does not say which tensor or SAT call; name both",
+          expect=expect_names("broadcast")),
+    Patch("training_main_device", "sat.training.deepspeed_training:training_main", _training_main,
+          answers="QLoRA demo sets args.device='cpu'; training_main (SAT 5385db0) then moves the model to CPU",
+          expect=expect_names("device")),
     Patch("get_args_cpu_device", "sat.arguments:get_args", _get_args,
           answers="get_args: 'LOCAL_RANK (default 0) and args.device inconsistent' without CUDA",
           expect=expect_params("args_list", "parser")),

@@ -389,3 +389,11 @@ def test_text_processor_layout(tokenizer):
     assert len(set(positions[eoi - 16:eoi].tolist())) == 1  # image tokens share one rotary position
     assert out["attention_mask"].shape == (1, 1, 80, 80)
     assert text("x" * 10, "CAPTCHA:" + " word" * 40) is None  # upstream: prompt leaves < 50 tokens
+
+
+def test_classes_are_in_sats_registry_without_replacing_sats_eva():
+    from sat.model.official.eva_clip_model import EVA2CLIPModel as SatEVA
+    from sat.model.registry import model_registry
+    for cls in (CogVLMModel, FineTuneTrainCogVLMModel, CogAgentModel, FineTuneTrainCogAgentModel):
+        assert model_registry.get(cls.__name__) is cls
+    assert model_registry.get("EVA2CLIPModel") is SatEVA

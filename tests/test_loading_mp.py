@@ -42,6 +42,7 @@ def _logits(model):
     pos = torch.arange(SEQ)[None].expand_as(ids)
     vision = torch.zeros(2, SEQ, dtype=torch.bool)
     vision[:, :3] = True
+    model.eval()  # no dropout
     with torch.no_grad():
         return model(input_ids=ids, position_ids=pos, attention_mask=torch.ones(1, 1, SEQ, SEQ).tril(),
                      vision_mask=vision)[0].float()
@@ -74,7 +75,9 @@ def load_mp2(ckpt_dir):
             return _real(tensor, *a, **kw)
         setattr(dist, op, counting)
 
-    caller_args = el.build_args(cfg, mode="inference", skip_init=False)
+    mpu.destroy_model_parallel()  # as a training script started with --model-parallel-size 2 has it
+    mpu.initialize_model_parallel(2)
+    caller_args = el.build_args(cfg, mode="inference", skip_init=False, model_parallel_size=2)
     before = copy.deepcopy(vars(caller_args))
     overwrite = {"model_parallel_size": 2}
     out = {"rank": dist.get_rank()}

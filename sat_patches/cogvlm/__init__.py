@@ -20,17 +20,20 @@ Modules, one concern each:
     dataset          ``ItemDataset`` and ``data_collator``
     tiny             one-call preparation of a tiny run's model/tokenizer/data folders
 
-Tiny run, as upstream's ``finetune_demo`` does it::
+Tiny run, as upstream's ``finetune_demo`` does it (``args`` from ``sat.get_args`` plus the demo's
+own options, e.g. ``--max_length 80 --local_tokenizer <run.tokenizer_dir>``)::
 
     import sat_patches
-    from sat_patches.cogvlm import prepare_tiny_run, FineTuneTrainCogVLMModel, llama2_tokenizer, \\
-        llama2_text_processor, get_image_processor, ItemDataset, data_collator
-    run = prepare_tiny_run("/tmp/tiny", "cogvlm")
+    from sat_patches.cogvlm import (prepare_tiny_run, FineTuneTrainCogVLMModel, llama2_tokenizer,
+                                    llama2_text_processor, get_image_processor, ItemDataset, data_collator)
+    run = prepare_tiny_run("/tmp/tiny", "cogvlm")          # tokenizer/, data/train, data/valid, model/
     model, args = FineTuneTrainCogVLMModel.from_pretrained(run.model_dir, args)
     tokenizer = llama2_tokenizer(run.tokenizer_dir, signal_type="base")
     text_processor = llama2_text_processor(tokenizer, run.max_length, args.image_length)
     image_processor = get_image_processor(args.eva_args["image_size"][0])
-    train = ItemDataset(image_processor, text_processor, args, run.train_dir)
+    train = ItemDataset(image_processor, text_processor, args, run.train_dir)   # collate_fn=data_collator
+
+Without files: ``model, args = build_tiny_model("cogagent")`` (SAT ``get_model`` on ``tiny_args``).
 """
 import sat_patches  # noqa: F401  (makes ``import sat`` work without triton/CUDA)
 
