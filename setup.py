@@ -40,6 +40,9 @@ setup(
         # imported by SAT 0.4.12 without being declared
         "requests",
         "wandb",
+        # the standalone CogVLM/CogAgent demo: real CAPTCHA images drawn locally (sat_patches.cogvlm)
+        "captcha==0.7.1",
+        "Pillow>=9",
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],

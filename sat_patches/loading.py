@@ -635,13 +635,17 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     return model.to(materialise_device())
 
 
-def ensure_model_parallel(size: int) -> None:
-    """Model-parallel groups of ``size`` (SAT's from_pretrained re-creates them the same way)."""
+def ensure_model_parallel(args) -> None:
+    """torch.distributed and model-parallel groups of ``args.model_parallel_size``, before the model is
+    built (SAT's ``BaseModel`` sets them up the same way; its ``from_pretrained`` re-creates them)."""
     from sat import mpu
+    from sat.arguments import _simple_init
+    size = getattr(args, "model_parallel_size", 1)
     if dist.is_initialized() and mpu.model_parallel_is_initialized() \
             and mpu.get_model_parallel_world_size() != size:
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(size)
+    _simple_init(model_parallel_size=size, seed=getattr(args, "seed", 1234))
 
 
 def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, prefix="", build_only=False,
@@ -673,7 +677,7 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
             for k, v in vars(model_cls.get_args()).items():
                 if not hasattr(args, k):
                     setattr(args, k, v)
-    ensure_model_parallel(getattr(args, "model_parallel_size", 1))
+    ensure_model_parallel(args)
     if build_only:
         return _build(args, model_cls, kwargs, on_meta=False), args
     model = build_and_load(model_cls, args, ckpt, prefix, **kwargs)

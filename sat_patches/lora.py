@@ -200,7 +200,11 @@ def replace_linear_with_lora(lin, partition, r, *args, **kw_args):
 
 @torch.no_grad()
 def add_lora_product(weight: torch.Tensor, lin: nn.Module, chunk_bytes: Optional[int] = None) -> None:
-    """``weight[segment i] += scaling * B_i @ A_i`` in place, ``chunk_bytes`` of fp32 rows at a time."""
+    """``weight[segment i] += scaling * B_i @ A_i`` in place, ``chunk_bytes`` of fp32 rows at a time.
+
+    As stock SAT's merge, the sum is formed in fp32 and then stored in the weight's dtype; the one
+    temporary of weight size is a chunk of those fp32 rows.
+    """
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows_per_chunk = max(1, chunk_bytes // (weight.shape[1] * 4))
     offset = 0
@@ -208,8 +212,12 @@ def add_lora_product(weight: torch.Tensor, lin: nn.Module, chunk_bytes: Optional
         a = a.detach().float()
         for start in range(0, b.shape[0], rows_per_chunk):
             stop = min(start + rows_per_chunk, b.shape[0])
-            delta = b[start:stop].detach().float() @ a
-            weight[offset + start:offset + stop].add_(delta.mul_(lin.scaling))
+            rows = weight[offset + start:offset + stop]
+            summed = rows.float() if rows.dtype != torch.float32 else rows
+            summed.addmm_(b[start:stop].detach().float(), a, alpha=lin.scaling)
+            if summed is not rows:
+                rows.copy_(summed)
+            del summed  # before the next chunk's is allocated
         offset += b.shape[0]
     if offset != weight.shape[0]:
         raise ValueError(f"LoRA B has {offset} rows, the base weight {weight.shape[0]}")
@@ -256,10 +264,12 @@ def quantize_nf4(layer: nn.Module) -> nn.Module:
 def dequantize_nf4(layer: nn.Module) -> torch.Tensor:
     """The float weight of an NF4/FP4 layer (``dequantize_4bit`` reads the type from the state)."""
     import bitsandbytes.functional as bnbf
-    weight, state = layer.weight.data, layer.weight.quant_state
-    if getattr(state, "packing_format_for_cpu", False):  # repacked by bitsandbytes' CPU inference path
-        weight, state = bnbf._convert_weight_packed_for_cpu_inverse(weight, state)
-    return bnbf.dequantize_4bit(weight, state)
+    weight = layer.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        # bitsandbytes' CPU inference path repacked it; the inverse rewrites quant_state in place,
+        # so the data must be put back with it (as Params4bit.cuda() does)
+        weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
 
 
 def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> None:

@@ -200,8 +200,8 @@ def test_forward_gives_finite_logits_and_loss_backward(kind, tokenizer, captcha_
         assert unused == []
     else:
         last = f"mixins.encoder.vit.model.blocks.{args.encoder_args['layers'] - 1}."
-        assert unused and all(n.startswith((last, "mixins.encoder.vit.model.norm.", "mixins.encoder.vit.model.head."))
-                              for n in unused)
+        skipped = (last, "mixins.encoder.vit.model.norm.", "mixins.encoder.vit.model.head.")
+        assert unused == sorted(n for n in grads if n.startswith(skipped))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -397,3 +397,21 @@ def test_classes_are_in_sats_registry_without_replacing_sats_eva():
     for cls in (CogVLMModel, FineTuneTrainCogVLMModel, CogAgentModel, FineTuneTrainCogAgentModel):
         assert model_registry.get(cls.__name__) is cls
     assert model_registry.get("EVA2CLIPModel") is SatEVA
+
+
+def test_cross_encoder_rope_depends_on_relative_2d_position():
+    from sat_patches.cogvlm.eva_clip_large import VisionRotary
+    from sat_patches.cogvlm.placement import Placement
+    grid = 4
+    rope = VisionRotary(half_head_dim=8, pt_seq_len=16, grid=grid, placement=Placement.resolve(torch.float64, "cpu"))
+    assert rope.freqs_cos.shape == (grid * grid, 16)
+    torch.manual_seed(0)
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    rotated_q = rope(q.expand(grid * grid, 16))
+    rotated_k = rope(k.expand(grid * grid, 16))
+    assert torch.allclose(rotated_q.norm(dim=-1), q.norm().expand(grid * grid))
+    at = lambda row, col: row * grid + col  # noqa: E731  (row-major, as the patches are flattened)
+    dot = lambda a, b: float(rotated_q[at(*a)] @ rotated_k[at(*b)])  # noqa: E731
+    assert dot((2, 1), (0, 3)) == pytest.approx(dot((3, 1), (1, 3)))  # same (row, col) offset
+    assert dot((2, 1), (0, 3)) == pytest.approx(dot((2, 0), (0, 2)))
+    assert dot((2, 1), (0, 3)) != pytest.approx(dot((2, 1), (1, 3)))  # different offset

@@ -56,13 +56,18 @@ def _expected_slice(ref_module, name, mp, rank):
     return getattr(ref_module, name)
 
 
-def load_mp2(ckpt_dir):
-    """MP=1 checkpoint -> MP=2 with from_pretrained; returns what the test checks."""
+def load_mp2(ckpt_dir, cuda_standin=False):
+    """MP=1 checkpoint -> MP=2 with from_pretrained; returns what the test checks.
+
+    ``cuda_standin``: ``Tensor.cuda()`` returns the tensor, so that stock SAT's rank-0 path (which
+    calls it before ``send``) runs on CPU as it does on a GPU machine."""
     import copy
     import torch
     import torch.distributed as dist
     from sat import mpu
     from sat_patches.testing import expert_llama as el
+    if cuda_standin:
+        torch.Tensor.cuda = lambda self, *a, **kw: self
 
     ref, cfg = _reference(ckpt_dir)
     ref_logits = _logits(ref)
@@ -120,10 +125,48 @@ def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
         assert got["args_changed"] == [] and got["overwrite_after"] == {"model_parallel_size": 2}, got
 
 
-def test_stock_from_pretrained_fails_or_ships_weights(tmp_path):
-    """Without the patch: SAT's rank-0 path (.cuda() + send on CPU fails; elsewhere it ships weights
-    and mutates the caller's args)."""
-    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"),), timeout=150,
+def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
+    """Without the patch (``Tensor.cuda`` stood in, as on a GPU box): rank 0 builds the full model and
+    sends each partition; the caller's args and overwrite_args are changed."""
+    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), True), timeout=150,
                         patches=["from_pretrained_rank_local"])
-    outcomes = [r.result or {"error": r.exception or r.output[-500:]} for r in results]
-    assert any("error" in o or o.get("sent") or o.get("args_changed") for o in outcomes), outcomes
+    rank0 = results[0].result
+    assert rank0 is not None and "error" not in rank0, results[0].output[-3000:]
+    assert rank0["sent"], rank0  # weights shipped from rank 0
+    assert {"device", "skip_init"} <= set(rank0["args_changed"]), rank0
+    assert rank0["overwrite_after"] == {}, rank0  # model_parallel_size popped from the caller's dict
+
+
+def stalled_rank0(ckpt_dir, stall):
+    """Rank 0 hangs in torch.load for ``stall`` seconds; the others must stop at the barrier."""
+    import time
+    import torch
+    from sat import mpu
+    from sat_patches.testing import expert_llama as el
+    ref, cfg = _reference(ckpt_dir)
+    mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(2)
+    if mpu.get_model_parallel_rank() == 0:
+        real_load = torch.load
+
+        def slow_load(*a, **kw):
+            time.sleep(stall)
+            return real_load(*a, **kw)
+        torch.load = slow_load
+    start = time.monotonic()
+    try:
+        el.model_class().from_pretrained(ckpt_dir, el.build_args(cfg, model_parallel_size=2),
+                                         overwrite_args={"model_parallel_size": 2})
+        return ("loaded", time.monotonic() - start)
+    except Exception as exc:
+        return (type(exc).__name__, time.monotonic() - start, str(exc))
+
+
+def test_stalled_rank0_stops_the_others_naming_its_stage(tmp_path):
+    timeout = 3
+    results = run_ranks(stalled_rank0, 2, args=(str(tmp_path / "ckpt"), 4 * timeout), timeout=150,
+                        env={"SAT_PATCHES_LOAD_TIMEOUT": str(timeout)})
+    kind, elapsed, message = results[1].result
+    assert kind == "LoadTimeout", results[1].result
+    assert timeout <= elapsed < timeout + 5, elapsed
+    assert "rank 0 is at stage 'opening 1 shard(s) of" in message and "SAT_PATCHES_LOAD_TIMEOUT" in message, message

@@ -78,7 +78,7 @@ class ImageMixin(BaseMixin):
             raise ValueError("args.eva_args must describe the EVA tower (hidden_size, num_layers, image_size, ...)")
         vit_args = EVA2CLIPModel.get_args(**vars(vision_args(args, eva_args)))
         self.vit_model = EVA2CLIPModel(vit_args, params_dtype=placement.params_dtype)
-        self.in_features = 1792
+        self.in_features = eva_args["hidden_size"]  # upstream: 1792
         self.linear_proj = GLU(self.in_features, args.hidden_size, args.inner_hidden_size, placement)
         self.image_length = args.image_length
         self.boi = zeros_parameter(placement, 1, 1, args.hidden_size)

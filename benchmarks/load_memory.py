@@ -1,0 +1,148 @@
+"""Host memory and time of loading a SAT checkpoint, stock SAT vs sat_patches, at MP=1 and MP=2.
+
+    python benchmarks/load_memory.py            # LLaMA-7B widths, 2 layers + 1 vision-expert layer, bf16
+    python benchmarks/load_memory.py --small    # a few MB, to try it out
+
+Saves a CogVLM-architecture-like SAT checkpoint (``sat_patches.testing.expert_llama``: LLaMA with
+vision-expert attention and MLP layers whose mixins default to CPU/fp32 as CogVLM's do; about
+1.7 GB in bf16 by default), then loads it with ``from_pretrained`` on 2 CPU ranks:
+
+* MP=1: ``from_pretrained(path, args)`` (each rank holds the whole model);
+* MP=2: ``from_pretrained(path, args, overwrite_args={'model_parallel_size': 2})``;
+
+once with stock SAT and once with sat_patches, each in fresh processes. Stock SAT's MP=2 path calls
+``Tensor.cuda()`` before ``send``; that call is stood in by the identity on this CPU machine.
+
+Printed per rank: peak RSS above the idle baseline (after imports and process-group set-up; the
+peak is reset with ``/proc/self/clear_refs``) divided by the checkpoint's size (targets for
+sat_patches: MP=2 <= 0.6, MP=1 <= 1.1), and load wall time divided by the time to read the file once
+(from the page cache, as the loads read it). The checksum column checks that both loaders gave
+every rank the same weights.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+FULL = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=32000, inner_hidden_size=11008,
+            num_vision_layers=1)
+SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=4096, inner_hidden_size=512,
+             num_vision_layers=1)
+TARGETS = {1: 1.1, 2: 0.6}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def save(path: str, cfg: dict) -> int:
+    """(one rank) Build the model in bf16, give it values, write the SAT checkpoint; returns bytes."""
+    import torch
+    import torch.distributed as dist
+    from sat import mpu
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1)
+    args = el.build_args(el.config(**cfg), bf16=True, skip_init=True)
+    model = el.model_class()(args, params_dtype=torch.bfloat16).bfloat16()
+    el.fill_(model, seed=0)
+    el.write_checkpoint(model, el.config(**cfg), path)
+    return os.path.getsize(os.path.join(path, "1", "mp_rank_00_model_states.pt"))
+
+
+def measure(path: str, mp: int, stock: bool) -> dict:
+    """(every rank) Load ``path`` at MP=``mp``; peak RSS above the idle baseline, wall time, checksum."""
+    import torch
+    import torch.distributed as dist
+    from sat_patches.testing import expert_llama as el
+    if stock:
+        torch.Tensor.cuda = lambda self, *a, **kw: self  # SAT's rank-0 split path calls .cuda() before send
+    dist.init_process_group("gloo")
+    cls = el.model_class()
+    args = cls.get_args(bf16=True, mode="inference", skip_init=True)
+    overwrite = {"model_parallel_size": mp} if mp > 1 else {}
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    baseline = _status("VmRSS")
+    start = time.perf_counter()
+    model, _ = cls.from_pretrained(path, args, overwrite_args=overwrite)
+    elapsed = time.perf_counter() - start
+    peak = _status("VmHWM")
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    dist.barrier()
+    return dict(rank=dist.get_rank(), extra=peak - baseline, baseline=baseline, seconds=elapsed,
+                checksum=checksum, dtypes=dtypes)
+
+
+def read_once(path: str) -> float:
+    """Seconds to read ``path`` once, sequentially, in 64 MiB chunks."""
+    buf = bytearray(64 * 2**20)
+    view = memoryview(buf)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a few-MB model (smoke test)")
+    parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=900)
+    opts = parser.parse_args(argv)
+    from sat_patches.testing import run_ranks
+
+    cfg = SMALL if opts.small else FULL
+    with tempfile.TemporaryDirectory(prefix="satp-load-", dir=opts.dir) as tmp:
+        path = os.path.join(tmp, "ckpt")
+        [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=opts.timeout)
+        if not saved.ok:
+            print(saved.output[-4000:])
+            return 1
+        size = saved.result
+        file = os.path.join(path, "1", "mp_rank_00_model_states.pt")
+        read_once(file)  # into the page cache, as the loads will find it
+        read_s = min(read_once(file) for _ in range(3))
+        print(f"checkpoint: {size / 2**30:.2f} GiB ({cfg}); read once: {read_s:.2f} s\n")
+        print(f"{'loader':<12}{'MP':>3}{'rank':>5}{'peak RSS - idle':>17}{'/ ckpt':>8}{'target':>8}"
+              f"{'load s':>8}{'/ read':>8}  checksum")
+        rows, ok = {}, True
+        for mp in (1, 2):
+            for stock in (True, False):
+                name = "stock SAT" if stock else "sat_patches"
+                results = run_ranks("load_memory:measure", 2, args=(path, mp, stock), timeout=opts.timeout,
+                                    patches="stock" if stock else True)
+                for r in results:
+                    if not r.ok:
+                        print(f"{name:<12}{mp:>3}{r.rank:>5}  failed:\n{(r.exception or r.output)[-3000:]}")
+                        ok = False
+                        continue
+                    m = r.result
+                    ratio = m["extra"] / size
+                    target = "" if stock else f"<= {TARGETS[mp]}"
+                    same = rows.get((mp, r.rank))
+                    check = "" if same is None else ("same as stock" if abs(same - m["checksum"]) < 1e-6 * max(1, abs(same)) else "DIFFERS")
+                    rows.setdefault((mp, r.rank), m["checksum"])
+                    print(f"{name:<12}{mp:>3}{r.rank:>5}{m['extra'] / 2**30:>13.2f} GiB{ratio:>8.2f}{target:>8}"
+                          f"{m['seconds']:>8.2f}{m['seconds'] / read_s:>8.1f}  {m['checksum']:.6g} {check}")
+                    if not stock and (ratio > TARGETS[mp] or check == "DIFFERS"):
+                        ok = False
+        print("\nall sat_patches figures within target" if ok else "\nSOME FIGURES MISS THEIR TARGET")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,557 @@
+"""``sat-patches plan``: memory per GPU and per host of a CogVLM/CogAgent fine-tuning run, for every
+model-parallel size / ZeRO stage / optimizer offload / micro-batch, before any GPU hour is spent.
+
+Counted from the models' real component sizes (upstream ``model_config.json`` fields and model code,
+THUDM/CogVLM ``utils/models``): the LLaMA-7B language model, the vision-expert copies of its
+attention and MLP, the EVA2-CLIP-E vision tower and the GLU adapter; CogAgent adds cross attention in
+every layer and the 1120-px EVA2-CLIP-L encoder. ``cogvlm-base-224`` with upstream's LoRA (rank 10 on
+the language model and EVA) counts 17,657,466,368 parameters, the number SAT prints in CogVLM issue
+117. The same counting applies to any ``model_config.json`` (LLaMA-shaped, with or without the
+vision parts), which is how the estimate is checked against the memory ledger on CPU ranks.
+
+What one rank holds (bytes; P parameters of the rank's share, T trainable of them, dp data-parallel
+ranks; bf16/fp16 unless fp32):
+
+* weights 2P; trainable gradients 2T (ZeRO-2: 2T/dp); fp32 master copy, fp32 gradients and Adam's
+  two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
+  fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
+* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
+  else every layer's working set; logits in bf16 and the fp32 copies upstream's loss makes; the EVA
+  tower's activations when any of its weights train (LoRA on EVA does).
+* a fixed runtime share: CUDA context, NCCL and allocator slack on a GPU; the Python/torch/SAT/
+  DeepSpeed process on the host.
+
+The host estimate assumes sat_patches: models are built on the GPU in the run's dtype and checkpoints
+are read through mmap in chunks. Stock SAT 0.4.12 is shown beside it: every rank builds its share in
+fp32 on the CPU and ``torch.load``s the whole checkpoint, and with MP>1 node rank 0 also builds the
+whole model (CogVLM issues 283 and 320, "kill -9").
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+GB = 1e9
+GiB = 2 ** 30
+
+# --------------------------------------------------------------------------------------
+# Model shapes: upstream model_config.json fields
+# --------------------------------------------------------------------------------------
+LLAMA_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=32000,
+                inner_hidden_size=11008, use_bias=False)
+EVA2_CLIP_E = dict(num_layers=63, hidden_size=1792, num_attention_heads=16, inner_hidden_size=15360,
+                   vocab_size=1, patch_size=14, in_channels=3)
+EVA2_CLIP_L_ENCODER = dict(layers=24, width=1024, head_width=64, mlp_ratio=2.6667, patch_size=14, embed_dim=768)
+
+
+def _cogvlm(pixels: int) -> dict:
+    tokens = (pixels // 14) ** 2
+    return dict(model_class="CogVLMModel", **LLAMA_7B, image_length=tokens, num_vision_layers=32,
+                eva_args=dict(EVA2_CLIP_E, image_size=[pixels, pixels], max_sequence_length=tokens + 1))
+
+
+def _cogagent() -> dict:
+    config = _cogvlm(224)
+    config.update(model_class="CogAgentModel", cross_attn_hidden_size=1024, cross_hidden_size_per_attention_head=32,
+                  cross_image_pix=1120, encoder_args=dict(EVA2_CLIP_L_ENCODER))
+    return config
+
+
+MODELS = {
+    "cogvlm-base-224": _cogvlm(224), "cogvlm-base-490": _cogvlm(490), "cogvlm-chat-v1.1": _cogvlm(490),
+    "cogvlm-grounding-generalist": _cogvlm(490), "cogagent-chat": _cogagent(), "cogagent-vqa": _cogagent(),
+}
+# upstream finetune_demo --max_length (it includes the image tokens)
+DEMO_MAX_LENGTH = {490: 1288, 224: 400}
+
+# runtime shares (measured on this project's CPU ranks; usual sizes on CUDA)
+HOST_BASE_CPU = 0.50 * GiB     # python + torch + SAT + DeepSpeed + gloo, one CPU rank (ledger, 2 ranks)
+HOST_BASE_CUDA = 3.0 * GiB     # the same process with CUDA libraries loaded
+GPU_RUNTIME = 1.0 * GiB        # CUDA context, NCCL buffers, allocator slack
+LOAD_CHUNK = 64 * 2 ** 20      # loading.CHUNK_BYTES: the mapped checkpoint is copied in pieces of this size
+GPU_MARGIN = 0.05              # keep this fraction of the card free
+HOST_MARGIN = 0.10
+
+
+@dataclass
+class Part:
+    """Parameters of one model component: ``split`` ones are divided over model-parallel ranks."""
+    name: str
+    split: int = 0
+    replicated: int = 0
+    buffer: bool = False            # persistent buffers: memory, not parameters
+
+    def per_rank(self, mp: int) -> float:
+        return self.split / mp + self.replicated
+
+    @property
+    def total(self) -> int:
+        return self.split + self.replicated
+
+
+def _linear(d_in, d_out, bias, kind="column") -> Part:
+    """A SAT parallel linear: column-parallel splits weight and bias; row-parallel splits the weight."""
+    split = d_in * d_out + (d_out if bias and kind == "column" else 0)
+    return Part("", split, d_out if bias and kind == "row" else 0)
+
+
+def _sum(name, parts, times=1) -> Part:
+    return Part(name, times * sum(p.split for p in parts), times * sum(p.replicated for p in parts))
+
+
+def language_parts(c: dict) -> List[Part]:
+    h, f, L, V = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"], c["vocab_size"]
+    bias = c.get("use_bias", True)
+    layer = [_linear(h, 3 * h, bias), _linear(h, h, bias, "row"), _linear(h, f, bias), _linear(f, h, bias, "row"),
+             _linear(h, f, False), Part("", 0, 2 * h)]          # qkv, dense, h->4h, 4h->h, LLaMA gate, 2 RMSNorms
+    vocab = Part("", V * h) if V >= 1000 else Part("", 0, V * h)   # SAT: VocabParallelEmbedding from 1000 up
+    return [Part("embedding + LM head", vocab.split + V * h, vocab.replicated + h),
+            _sum("language layers", layer, L)]
+
+
+def vision_expert_parts(c: dict) -> List[Part]:
+    n = c.get("num_vision_layers", 0)
+    if not n:
+        return []
+    h, f = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"]
+    n = min(n, c["num_layers"])
+    attn = [_linear(h, 3 * h, c.get("vision_qkv_bias", False)), _linear(h, h, False, "row")]
+    mlp = [_linear(h, f, False), _linear(h, f, False), _linear(f, h, False, "row")]
+    return [_sum("vision-expert attention", attn, n), _sum("vision-expert MLP", mlp, n)]
+
+
+def _eva_layer(e: dict) -> List[Part]:
+    h, f = e["hidden_size"], e["inner_hidden_size"]
+    return [Part("", 0, 4 * h), _linear(h, 3 * h, True), _linear(h, h, True, "row"),
+            _linear(h, f, True), _linear(f, h, True, "row")]
+
+
+def eva_parts(c: dict) -> List[Part]:
+    e = c.get("eva_args")
+    if not e:
+        return []
+    h, h_lm, f_lm = e["hidden_size"], c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"]
+    embed = e.get("vocab_size", 1) * h + e["max_sequence_length"] * h + h * e.get("in_channels", 3) * e["patch_size"] ** 2 + h
+    tower = _sum("EVA2-CLIP vision tower", _eva_layer(e), e["num_layers"])
+    tower.replicated += embed
+    glu = h * h_lm + 2 * h_lm + 3 * h_lm * f_lm + 2 * h_lm       # linear_proj, norm1, 3 MLP matrices, boi/eoi
+    if c.get("cross_image_pix"):
+        glu += c["image_length"] * h                              # CogAgent's ImageMixin.pos_embed
+    return [tower, Part("GLU adapter", 0, glu)]
+
+
+def cross_parts(c: dict) -> List[Part]:
+    """CogAgent: cross attention in every language layer and the high-resolution EVA2-CLIP-L encoder."""
+    if not c.get("cross_image_pix"):
+        return []
+    h, L = c["hidden_size"], c["num_layers"]
+    inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
+    layer = [_linear(h, inner, False), _linear(c["cross_attn_hidden_size"], 2 * inner, False),
+             _linear(inner, h, False, "row"), Part("", 0, h)]
+    enc = c["encoder_args"]
+    w, m, p = enc["width"], int(enc["width"] * enc["mlp_ratio"]), enc["patch_size"]
+    n = (c["cross_image_pix"] // p) ** 2
+    block = 2 * w + 2 * w + 3 * w * w + 2 * w + w * w + w + 2 * w + 2 * (m * w + m) + 2 * m + w * m + w
+    encoder = (n * w + w + (n + 1) * w + 3 * w * p * p + w + enc["layers"] * block + 2 * w
+               + enc["embed_dim"] * w + enc["embed_dim"])
+    rope_buffers = 2 * n * enc["head_width"] * (enc["layers"] + 1)
+    return [_sum("cross attention", layer, L), Part("EVA2-CLIP-L encoder", 0, encoder),
+            Part("encoder rotary tables", 0, rope_buffers, buffer=True)]
+
+
+def model_parts(c: dict) -> List[Part]:
+    return language_parts(c) + vision_expert_parts(c) + eva_parts(c) + cross_parts(c)
+
+
+def lora_parts(c: dict, rank: int, eva: bool = True) -> List[Part]:
+    """SAT ``LoraMixin`` on every layer's attention (qkv with 3 partitions, dense), on EVA's layers as
+    upstream's demo adds, and on CogAgent's cross attention. Column-parallel: B split; row: A split."""
+    if not rank:
+        return []
+    r = rank
+
+    def attention(h):  # qkv: A 3 x (r, h) full, B 3 x (h, r) split; dense (row): A (r, h) split, B (h, r) full
+        return Part("", 3 * h * r + r * h, 3 * r * h + h * r)
+    parts = [_sum("LoRA (language)", [attention(c["hidden_size"])], c["num_layers"])]
+    if eva and c.get("eva_args"):
+        e = c["eva_args"]
+        parts.append(_sum("LoRA (EVA)", [attention(e["hidden_size"])], e["num_layers"]))
+    if c.get("cross_image_pix"):
+        h, ch = c["hidden_size"], c["cross_attn_hidden_size"]
+        inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
+        cross = Part("", inner * r + r * inner + 2 * inner * r, h * r + r * h + 2 * r * ch)
+        parts.append(_sum("LoRA (cross attention)", [cross], c["num_layers"]))
+    return parts
+
+
+def demo_trainable_parts(c: dict) -> List[Part]:
+    """Beyond LoRA, what upstream's finetune_demo ``disable_untrainable_params`` leaves trainable:
+    CogVLM the MLP of EVA layers 46-54; CogAgent the encoder, cross attention, GLU adapter, both
+    vision experts, boi/eoi and the whole EVA tower (names matched as upstream does)."""
+    e = c.get("eva_args")
+    if not e:
+        return []
+    if not c.get("cross_image_pix"):
+        layers = len([i for i in range(e["num_layers"]) if 45 < i < 55])
+        h, f = e["hidden_size"], e["inner_hidden_size"]
+        return [_sum("EVA MLP, layers 46-54", [_linear(h, f, True), _linear(f, h, True, "row")], layers)]
+    named = {p.name: p for p in model_parts(c)}
+    return [named[n] for n in ("EVA2-CLIP-L encoder", "cross attention", "GLU adapter", "vision-expert attention",
+                               "vision-expert MLP", "EVA2-CLIP vision tower")]
+
+
+def parameter_count(c: dict, lora_rank: int = 0, lora_eva: bool = True) -> int:
+    return int(sum(p.total for p in model_parts(c) + lora_parts(c, lora_rank, lora_eva) if not p.buffer))
+
+
+def heads(c: dict) -> List[int]:
+    """Head counts a model-parallel size must divide."""
+    out = [c["num_attention_heads"]]
+    if c.get("eva_args"):
+        out.append(c["eva_args"]["num_attention_heads"])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Memory of one setup
+# --------------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    gpus: int = 1                   # GPUs (ranks) per node
+    nodes: int = 1
+    mp: int = 1
+    zero: int = 2
+    offload: bool = False
+    micro_batch: int = 1
+    dtype: str = "bf16"             # bf16 | fp16 | fp32
+    seq_len: int = 1288
+    lora_rank: int = 10
+    lora_eva: bool = True
+    train: str = "lora"             # lora | demo (upstream finetune_demo's trainable set)
+    checkpoint_activations: bool = True
+    device: str = "cuda"            # cuda | cpu (CPU ranks: everything is host memory)
+    reduce_bucket: float = 4e7      # zero_optimization.reduce_bucket_size (upstream's configs)
+    allgather_bucket: float = 1e8
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.gpus * self.nodes // self.mp)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+
+@dataclass
+class Estimate:
+    setup: Setup
+    params: int
+    trainable: int
+    device: Dict[str, float] = field(default_factory=dict)      # per GPU (or per CPU rank), bytes
+    host: Dict[str, float] = field(default_factory=dict)        # per rank on the host, bytes
+    host_stock_node: float = 0.0                                # per node, stock SAT 0.4.12
+
+    @property
+    def per_gpu(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_rank(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def host_node(self) -> float:
+        return self.host_rank * self.setup.gpus
+
+    @property
+    def cpu_rank(self) -> float:
+        """CPU ranks: everything a rank holds, in host memory."""
+        return self.per_gpu + self.host_rank
+
+    def as_dict(self) -> dict:
+        return dict(setup=asdict(self.setup), params=self.params, trainable=self.trainable,
+                    device=self.device, host=self.host, per_gpu=self.per_gpu, host_per_rank=self.host_rank,
+                    host_per_node=self.host_node, host_stock_per_node=self.host_stock_node)
+
+
+def _layer_working_set(tokens, hidden, ffn, heads_local, mp, wb) -> float:
+    """Bytes autograd keeps for one transformer layer: hidden-size tensors (input, norms, attention
+    output, residual, expert routing copies), qkv/context (split), the MLP's four ffn-wide tensors
+    (split), and attention scores plus softmax (and a mask byte) per local head."""
+    return tokens * wb * (8 * hidden + 4 * hidden / mp + 4 * ffn / mp) + tokens * tokens * heads_local * (2 * wb + 1)
+
+
+def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
+    wb, b, mp, t = s.weight_bytes, s.micro_batch, s.mp, s.seq_len
+    h, f, L = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"]
+    one = b * _layer_working_set(t, h, f, c["num_attention_heads"] / mp, mp, wb)
+    out = {"activations (language)": (L * b * t * h * wb + one) if s.checkpoint_activations else L * one}
+    out["logits and loss"] = b * t * c["vocab_size"] / mp * (wb + 12)   # bf16 logits, fp32 copy, shift, grad
+    e = c.get("eva_args")
+    if e:
+        et = e["max_sequence_length"]
+        one_eva = b * _layer_working_set(et, e["hidden_size"], e["inner_hidden_size"],
+                                         e["num_attention_heads"] / mp, mp, wb)
+        if not eva_trains:
+            out["activations (EVA)"] = one_eva
+        elif s.checkpoint_activations:
+            out["activations (EVA)"] = e["num_layers"] * b * et * e["hidden_size"] * wb + one_eva
+        else:
+            out["activations (EVA)"] = e["num_layers"] * one_eva
+    if c.get("cross_image_pix"):
+        enc = c["encoder_args"]
+        n = (c["cross_image_pix"] // enc["patch_size"]) ** 2
+        inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"] / mp
+        # encoder (memory-efficient attention) working set, its output, and each layer's cross keys/values
+        out["activations (cross branch)"] = b * (n * wb * (8 * enc["width"] + 4 * enc["width"] * enc["mlp_ratio"])
+                                                 + L * n * 2 * inner * wb + t * n * inner / 32 * (2 * wb + 1))
+    return out
+
+
+def estimate(config: dict, setup: Setup) -> Estimate:
+    s, c = setup, config
+    parts = model_parts(c)
+    lora = lora_parts(c, s.lora_rank, s.lora_eva)
+    extra = demo_trainable_parts(c) if s.train == "demo" else []
+    per_rank = lambda ps: sum(p.per_rank(s.mp) for p in ps)  # noqa: E731
+    P, T = per_rank(parts + lora), per_rank(lora + extra)
+    wb, dp = s.weight_bytes, s.dp
+    device: Dict[str, float] = {"weights": P * wb}
+    host: Dict[str, float] = {}
+    mixed = s.dtype != "fp32"
+    optimizer = (16 if mixed else 12) * T            # fp32 master + fp32 grads + Adam (mixed); grads + Adam (fp32)
+    grads = 2 * T if mixed else 0                    # the low-precision .grad of every trainable weight
+    if s.zero == 0:
+        device["gradients"] = grads
+        device["optimizer states"] = optimizer + (2 * T if mixed else 0)
+    else:
+        device["gradients"] = grads / dp if s.zero >= 2 else grads
+        states = optimizer / dp
+        (host if s.offload else device)["optimizer states" + (" (offloaded)" if s.offload else "")] = states
+        device["ZeRO buckets"] = min(T, s.reduce_bucket) * wb * 2 + min(P, s.allgather_bucket) * wb * (s.zero >= 1)
+    eva_trains = bool(c.get("eva_args")) and (s.lora_eva and s.lora_rank > 0 or s.train == "demo")
+    device.update(_activations(c, s, eva_trains))
+    if s.device == "cuda":
+        device["CUDA context, NCCL, allocator"] = GPU_RUNTIME
+        host["process (torch, CUDA, SAT, DeepSpeed)"] = HOST_BASE_CUDA
+        host["checkpoint chunk (mmap)"] = LOAD_CHUNK
+    else:
+        host["process (torch, SAT, DeepSpeed)"] = HOST_BASE_CPU
+    total_params = sum(p.total for p in parts + lora if not p.buffer)
+    est = Estimate(s, int(total_params), int(sum(p.total for p in lora + extra)), device, host)
+    est.host_stock_node = stock_host_per_node(total_params, s)
+    return est
+
+
+def stock_host_per_node(params: float, s: Setup) -> float:
+    """Stock SAT 0.4.12: each rank builds its share in fp32 on the CPU (``get_model``) and, from an
+    MP=1 checkpoint at MP=1, ``torch.load``s the whole file; at MP>1 node rank 0 also builds the whole
+    model in fp32 and loads the whole checkpoint to send partitions."""
+    base = HOST_BASE_CUDA if s.device == "cuda" else HOST_BASE_CPU
+    checkpoint = 2 * params
+    if s.mp == 1:
+        return s.gpus * (base + max(4 * params, checkpoint))
+    return s.gpus * (base + 4 * params / s.mp) + max(4 * params, 2 * params + checkpoint)
+
+
+# --------------------------------------------------------------------------------------
+# Choosing
+# --------------------------------------------------------------------------------------
+@dataclass
+class Option:
+    estimate: Estimate
+    fits_gpu: bool
+    fits_host: bool
+    reason: str = ""
+
+    @property
+    def viable(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+
+def model_parallel_sizes(config: dict, world: int) -> List[int]:
+    return [m for m in range(1, world + 1) if world % m == 0 and all(n % m == 0 for n in heads(config))]
+
+
+def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[float] = None, nodes: int = 1,
+            zero: Optional[int] = None, offload: Optional[bool] = None, micro_batch: Optional[int] = None,
+            **setup_fields) -> List[Option]:
+    """Every (MP, ZeRO, offload, micro-batch) combination, each with its estimate and verdict."""
+    mps = model_parallel_sizes(config, gpus * nodes)
+    zeros = [zero] if zero is not None else [0, 1, 2]
+    offloads = [offload] if offload is not None else [False, True]
+    batches = [micro_batch] if micro_batch else [1, 2, 4, 8]
+    out = []
+    for mp, z, off, mb in itertools.product(mps, zeros, offloads, batches):
+        if off and z == 0:
+            continue  # DeepSpeed offloads the optimizer only under ZeRO
+        est = estimate(config, Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, **setup_fields))
+        fits_gpu = est.per_gpu <= gpu_mem_gb * GB * (1 - GPU_MARGIN)
+        fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
+        reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
+        if not fits_host:
+            reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
+        out.append(Option(est, fits_gpu, fits_host, reason))
+    return out
+
+
+def _preference(o: Option):
+    s = o.estimate.setup
+    return (s.mp, s.offload, -s.micro_batch, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
+
+
+def recommend(opts: List[Option]) -> Optional[Option]:
+    """The viable option with the smallest MP (most data parallelism), then no offload, then the
+    largest micro-batch, then ZeRO-2 (upstream's stage)."""
+    viable = [o for o in opts if o.viable]
+    return min(viable, key=_preference) if viable else None
+
+
+def deepspeed_config(s: Setup) -> dict:
+    """A DeepSpeed config realising ``s`` in upstream's style (finetune_demo/test_config_bf16.json),
+    with ``offload_optimizer`` inside ``zero_optimization`` where DeepSpeed reads it."""
+    config = {"train_micro_batch_size_per_gpu": s.micro_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.1}
+    if s.zero:
+        zero = {"stage": s.zero, "contiguous_gradients": False, "overlap_comm": True, "reduce_scatter": True,
+                "reduce_bucket_size": s.reduce_bucket, "allgather_bucket_size": s.allgather_bucket,
+                "load_from_fp32_weights": False}
+        if s.offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_optimization"] = zero
+        config["zero_allow_untested_optimizer"] = True
+    config["bf16"] = {"enabled": s.dtype == "bf16"}
+    if s.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "min_loss_scale": 1}
+    config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": 5e-2}}
+    return config
+
+
+def script_settings(s: Setup) -> Dict[str, str]:
+    """Environment of upstream's finetune_*_lora.sh that realises ``s``."""
+    return {"NUM_GPUS_PER_WORKER": str(s.gpus), "MP_SIZE": str(s.mp), "LOCAL_WORLD_SIZE": str(s.gpus)}
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+def resolve_model(name: str) -> dict:
+    if name in MODELS:
+        return copy.deepcopy(MODELS[name])
+    path = os.path.join(name, "model_config.json") if os.path.isdir(name) else name
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if config.get("model_class", "").startswith(("CogVLM", "CogAgent", "FineTuneTrainCog")):
+            config.setdefault("num_vision_layers", 32)
+        return config
+    raise SystemExit(f"sat-patches plan: unknown model {name!r}: give one of {', '.join(MODELS)} "
+                     f"or a checkpoint directory / model_config.json")
+
+
+def default_seq_len(config: dict) -> int:
+    e = config.get("eva_args")
+    if not e:
+        return 512
+    return DEMO_MAX_LENGTH.get(e.get("image_size", [490])[0], config.get("image_length", 256) + 144)
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:6.1f}"
+
+
+def describe(config: dict) -> str:
+    parts = model_parts(config)
+    return ", ".join(f"{p.name} {p.total / 1e9:.2f} B" for p in parts if not p.buffer)
+
+
+def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Option], args) -> str:
+    first = opts[0].estimate if opts else None
+    s0 = first.setup if first else None
+    lines = [f"sat-patches plan: {name} on {args.nodes} node(s) x {args.gpus} GPU(s) x {args.gpu_mem:g} GB"
+             + (f", host {args.host_mem:g} GB per node" if args.host_mem else "")]
+    if first:
+        lines.append(f"model: {first.params / 1e9:.2f} B parameters ({describe(config)}); trainable "
+                     f"{first.trainable / 1e6:.1f} M ({'LoRA' if s0.train == 'lora' else 'upstream demo set'}"
+                     f", rank {s0.lora_rank}), {s0.dtype}, max_length {s0.seq_len}, "
+                     f"{'' if s0.checkpoint_activations else 'no '}activation checkpointing")
+    lines.append(" MP  ZeRO  offload  micro-batch  GB/GPU  host GB/node  stock-SAT host GB/node")
+    groups = {}
+    for o in opts:
+        s = o.estimate.setup
+        groups.setdefault((s.mp, s.zero, s.offload), []).append(o)
+    for (mp, zero, off), group in groups.items():
+        fitting = [o for o in group if o.viable]
+        o = max(fitting, key=lambda o: o.estimate.setup.micro_batch) if fitting else min(
+            group, key=lambda o: o.estimate.setup.micro_batch)
+        e = o.estimate
+        verdict = "ok" if o.viable else f"no: {o.reason}"
+        lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  {_gb(e.per_gpu)}"
+                     f"  {_gb(e.host_node):>12}  {_gb(e.host_stock_node):>22}  {verdict}")
+    if best is None:
+        lines.append("recommendation: nothing fits. Add GPUs (a larger MP_SIZE divides the weights), use cards "
+                     "with more memory, or train fewer parameters (--train lora, a smaller --max-length).")
+        return "\n".join(lines)
+    s, e = best.estimate.setup, best.estimate
+    env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
+    lines += [f"recommended: MP_SIZE={s.mp}, ZeRO-{s.zero}, {'optimizer offload to CPU' if s.offload else 'no offload'},"
+              f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
+              f"node with sat_patches (stock SAT 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
+              f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"
+              f" --max_length {s.seq_len}" + (" --checkpoint-activations --vit_checkpoint_activations"
+                                                if s.checkpoint_activations else ""),
+              "DeepSpeed config (--deepspeed_config): " + json.dumps(deepspeed_config(s))]
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    config = resolve_model(args.model)
+    fields = dict(dtype=args.dtype, seq_len=args.max_length or default_seq_len(config), lora_rank=args.lora_rank,
+                  train=args.train, checkpoint_activations=not args.no_checkpoint_activations)
+    opts = options(config, args.gpus, args.gpu_mem, args.host_mem, nodes=args.nodes, zero=args.zero,
+                   offload=None if args.offload is None else args.offload == "cpu", micro_batch=args.micro_batch,
+                   **fields)
+    best = recommend(opts)
+    if args.json:
+        print(json.dumps({"model": args.model, "options": [dict(o.estimate.as_dict(), viable=o.viable, reason=o.reason)
+                                                           for o in opts],
+                          "recommended": None if best is None else dict(
+                              best.estimate.as_dict(), script=script_settings(best.estimate.setup),
+                              deepspeed_config=deepspeed_config(best.estimate.setup))}, indent=1))
+    else:
+        print(format_plan(args.model, config, opts, best, args))
+    return 0 if best else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory per GPU and host for each MP/ZeRO/offload/micro-batch, and a recommendation")
+    p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)}, or a checkpoint dir / model_config.json")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-mem", type=float, required=True, help="GB per GPU (e.g. 24, 80)")
+    p.add_argument("--host-mem", type=float, default=None, help="GB of host RAM per node")
+    p.add_argument("--lora-rank", type=int, default=10)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=None, help="only this ZeRO stage")
+    p.add_argument("--offload", choices=["none", "cpu"], default=None, help="only this optimizer placement")
+    p.add_argument("--micro-batch", type=int, default=None, help="only this micro-batch per GPU")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per sample incl. image tokens (upstream --max_length)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--train", choices=["lora", "demo"], default="lora",
+                   help="lora: LoRA matrices only; demo: what upstream's finetune_demo trains besides LoRA")
+    p.add_argument("--no-checkpoint-activations", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="sat-patches")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["plan", *sys.argv[1:]])
+    sys.exit(ns.func(ns))
