@@ -82,6 +82,15 @@ def _mark_split(param: nn.Parameter, split: bool) -> None:
     param.tensor_model_parallel = split
 
 
+def _beside(weight: torch.Tensor, *shape: int) -> torch.Tensor:
+    """An uninitialised tensor on ``weight``'s device and dtype; on the policy's compute device
+    when ``weight`` is still on meta (LoRA factors are in no base checkpoint to materialise them)."""
+    device = devices.compute_device()
+    if weight.device.type == "meta" and device.type != "meta":
+        return torch.empty(shape, dtype=weight.dtype, device=device)
+    return weight.new_empty(shape)
+
+
 def _is_nf4(layer: nn.Module) -> bool:
     return getattr(getattr(layer, "weight", None), "quant_type", None) in ("nf4", "fp4")
 
@@ -117,14 +126,10 @@ class LoraLinear(nn.Module):
                                       "base layer has no model-parallel forward")
         self.original = quantize_nf4(original_obj) if qlora else original_obj
 
-        # A and B: on the base weight's device and dtype (the compute device while the base is on meta)
-        device = weight.device if weight.device.type != "meta" else devices.compute_device()
         out_features, in_features = weight.shape  # this rank's slice
         rows = segment_sizes(out_features, partition)
-        self.matrix_A = nn.ParameterList(
-            nn.Parameter(torch.empty(r, in_features, device=device, dtype=weight.dtype)) for _ in rows)
-        self.matrix_B = nn.ParameterList(
-            nn.Parameter(torch.empty(n, r, device=device, dtype=weight.dtype)) for n in rows)
+        self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
+        self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
         for a in self.matrix_A:
             _mark_split(a, self.kind == ROW)
         for b in self.matrix_B:

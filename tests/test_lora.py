@@ -135,25 +135,26 @@ class Allocations(TorchDispatchMode):
         return out
 
 
-def _lora_devices_on_meta_base(policy):
-    """(devices of the LoRA params, devices any op ran on while injecting) for a base on meta."""
-    model = build(num_layers=1).to("meta")
+def _lora_devices(base, policy):
+    """(devices of the LoRA params, devices any op ran on while injecting)."""
+    model = build(num_layers=1).to(base)
     with devices.use_device(policy), Allocations() as ops:
         add_lora(model)
     return {p.device.type for p in lora_params(model).values()}, ops.devices
 
 
-def test_lora_on_a_meta_base_follows_the_device_policy():
-    assert _lora_devices_on_meta_base("meta") == ({"meta"}, {"meta"})  # not one CPU op
-    assert _lora_devices_on_meta_base("cpu")[0] == {"cpu"}  # LoRA params are in no base checkpoint
+def test_lora_params_follow_the_base_weight_or_the_policy_while_it_is_on_meta():
+    assert _lora_devices("meta", policy="meta") == ({"meta"}, {"meta"})  # not one CPU op
+    assert _lora_devices("meta", policy="cpu")[0] == {"cpu"}  # LoRA params are in no base checkpoint
+    assert _lora_devices("cpu", policy="meta")[0] == {"cpu"}  # beside a materialised base
     with patches_removed("lora_replace"):  # stock: new_layer.to(lin.weight.device) puts them on meta
-        assert _lora_devices_on_meta_base("cpu")[0] == {"meta"}
+        assert _lora_devices("meta", policy="cpu")[0] == {"meta"}
     # stock LoraLinear copies the base weight into a new CPU layer: impossible from meta (SAT's own
     # layers, without the construction context that moves their allocations to the policy device)
     construction = [p.name for p in sat_patches.construction.PATCHES]
     with patches_removed("lora_linear", *construction):
         with pytest.raises(NotImplementedError, match="meta"):
-            _lora_devices_on_meta_base("meta")
+            _lora_devices("meta", policy="meta")
 
 
 CHUNK = 64 * 1024

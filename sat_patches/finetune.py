@@ -1,0 +1,265 @@
+"""Standalone CogVLM / CogAgent LoRA fine-tuning on SAT (no CogVLM checkout needed).
+
+Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (same options, data layout,
+loss and LoRA placement) on the models of :mod:`sat_patches.cogvlm`::
+
+    python -m sat_patches.finetune prepare --kind cogvlm --workdir RUN     # tiny model/tokenizer/data
+    torchrun --nproc-per-node 2 -m sat_patches.launch -m sat_patches.finetune train --kind cogvlm \\
+        --from_pretrained RUN/model --local_tokenizer RUN/tokenizer --train-data RUN/data/train ...
+    python -m sat_patches.merge CHECKPOINT RUN/merged                      # MP=N + LoRA -> MP=1
+    python -m sat_patches.finetune verify --kind cogvlm --probe RUN/probe.pt --merged RUN/merged \\
+        --local_tokenizer RUN/tokenizer
+
+``train --probe FILE`` records the trained model's logits on one fixed validation batch;
+``verify`` reloads the merged MP=1 model, compares its logits with them and prints its answer.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from functools import partial
+
+import torch
+
+KINDS = ("cogvlm", "cogagent")
+
+
+# ----------------------------------------------------------------------------- data and loss
+def broadcast_batch(batch):
+    """Tensors of the batch from model-parallel rank 0 to its group, one broadcast per dtype."""
+    from sat import mpu
+    by_dtype, other = defaultdict(list), {}
+    for key, value in (batch or {}).items():
+        (by_dtype[value.dtype].append(key) if isinstance(value, torch.Tensor) else other.__setitem__(key, value))
+    # every rank of the group must call with the same keys: take them from rank 0's batch
+    box = [(dict(by_dtype), other)]
+    group = mpu.get_model_parallel_group()
+    torch.distributed.broadcast_object_list(box, src=mpu.get_model_parallel_src_rank(), group=group)
+    by_dtype, other = box[0]
+    out = dict(other)
+    for dtype, keys in by_dtype.items():
+        out.update(mpu.broadcast_data(keys, batch, dtype))
+    return out
+
+
+def get_batch(data_iterator, args, timers):
+    timers("data loader").start()
+    batch = next(data_iterator) if data_iterator is not None else None
+    timers("data loader").stop()
+    batch = broadcast_batch(batch)
+    dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else None
+    for key, value in batch.items():
+        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            batch[key] = value.to(dtype)
+    return batch
+
+
+def lm_loss(model, batch):
+    labels = batch.pop("labels")
+    logits = model(**batch)[0].float()
+    shift_labels = labels[..., 1:].contiguous()
+    shift_logits = logits[..., -1 - shift_labels.size(-1):-1, :].contiguous()
+    return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
+                                             ignore_index=-100)
+
+
+def model_inputs(batch):
+    """What the model's forward takes: the batch without labels and bookkeeping fields."""
+    return {k: v for k, v in batch.items() if k not in ("labels", "question_id", "context_length", "image_position")}
+
+
+def forward_step(data_iterator, model, args, timers):
+    timers("batch generator").start()
+    batch = get_batch(data_iterator, args, timers)
+    timers("batch generator").stop()
+    loss = lm_loss(model, {**model_inputs(batch), "labels": batch["labels"]})
+    return loss, {"loss": loss}
+
+
+def disable_untrainable_params(model):
+    """LoRA fine-tuning: only the LoRA matrices train."""
+    for name, p in model.named_parameters():
+        p.requires_grad_("matrix_A" in name or "matrix_B" in name)
+
+
+# ----------------------------------------------------------------------------- set-up
+def demo_parser(kind: str) -> argparse.ArgumentParser:
+    from .cogvlm import model_class_for
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--kind", choices=KINDS, default=kind)
+    p.add_argument("--max_length", type=int)
+    p.add_argument("--ignore_pad_token_for_loss", action="store_false")
+    p.add_argument("--version", type=str, default="base", help="prompt template: base, chat, vqa, chatqa")
+    p.add_argument("--from_pretrained", type=str, default="cogvlm-base-490", help="pretrained checkpoint")
+    p.add_argument("--local_tokenizer", type=str, default="lmsys/vicuna-7b-v1.5", help="tokenizer path")
+    p.add_argument("--vit_checkpoint_activations", action="store_true")
+    p.add_argument("--probe", default=None, help="after training, save logits on one validation batch here")
+    return model_class_for(kind).add_model_specific_args(p)
+
+
+def _kind_of(argv):
+    for i, a in enumerate(argv):
+        if a == "--kind" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--kind="):
+            return a.split("=", 1)[1]
+    return "cogvlm"
+
+
+def processors(args, tokenizer):
+    from .cogvlm import get_image_processor, llama2_text_processor
+    image = get_image_processor(args.eva_args["image_size"][0])
+    cross = get_image_processor(args.cross_image_pix) if hasattr(args, "cross_image_pix") else None
+    text = llama2_text_processor(tokenizer, args.max_length, args.image_length)
+    return image, text, cross
+
+
+def add_lora(model, args):
+    from sat.model.finetune.lora2 import LoraMixin
+    model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range), reinit=True)
+    eva = model.get_mixin("eva").vit_model
+    eva.add_mixin("lora", LoraMixin(args.eva_args["num_layers"], args.lora_rank, layer_range=args.layer_range),
+                  reinit=True)
+
+
+def create_dataset_function(image_processor, text_processor, cross_image_processor, path, args):
+    from .cogvlm import ItemDataset
+    return ItemDataset(image_processor, text_processor, args, path, cross_image_processor=cross_image_processor)
+
+
+def train(argv) -> int:
+    from sat import get_args
+    from sat.training.deepspeed_training import training_main
+    from .cogvlm import data_collator, llama2_tokenizer, model_class_for
+    kind = _kind_of(argv)
+    known, rest = demo_parser(kind).parse_known_args(argv)
+    args = get_args(rest)
+    args = argparse.Namespace(**vars(args), **vars(known))
+    if args.use_qlora:
+        args.device = "cpu"  # as upstream's demo does; sat_patches keeps the model on the compute device
+    cls = model_class_for(kind)
+    cls.disable_untrainable_params = disable_untrainable_params
+    overwrite = {"model_parallel_size": args.model_parallel_size} if args.model_parallel_size != 1 else {}
+    model, args = cls.from_pretrained(args.from_pretrained, args, overwrite_args=overwrite)
+    if args.use_lora:
+        add_lora(model, args)
+    tokenizer = llama2_tokenizer(args.local_tokenizer, signal_type=args.version)
+    image, text, cross = processors(args, tokenizer)
+    model = training_main(args, model_cls=model, forward_step_function=forward_step,
+                          create_dataset_function=partial(create_dataset_function, image, text, cross),
+                          collate_fn=partial(data_collator, cross_image_processor=cross))
+    if args.probe:
+        save_probe(model, args, image, text, cross)
+    return 0
+
+
+def probe_batch(args, image, text, cross):
+    from .cogvlm import ItemDataset, data_collator
+    dataset = ItemDataset(image, text, args, args.valid_data[0], cross_image_processor=cross)
+    return data_collator([dataset[0]], cross_image_processor=cross)
+
+
+@torch.no_grad()
+def save_probe(model, args, image, text, cross):
+    module = getattr(model, "module", model)
+    module.eval()
+    batch = probe_batch(args, image, text, cross)
+    device = next(module.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs(batch).items()}
+    logits = module(**inputs)[0].float().cpu()
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.probe)), exist_ok=True)
+        tmp = args.probe + ".tmp"
+        torch.save({"logits": logits, "label": batch["question_id"], "valid_data": args.valid_data[0]}, tmp)
+        os.replace(tmp, args.probe)
+        print(f"probe: logits of the trained MP={args.model_parallel_size} model saved to {args.probe}", flush=True)
+    torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- verify
+@torch.no_grad()
+def greedy_answer(model, batch, tokenizer, steps=8):
+    """Greedy decoding after the prompt (no cache: the tiny model is cheap to re-run)."""
+    from .cogvlm import data_collator  # noqa: F401  (same batch layout)
+    context = int(batch["context_length"][0])
+    ids = batch["input_ids"][:, :context].clone()
+    inputs = model_inputs(batch)
+    out = []
+    for step in range(steps):
+        n = ids.shape[1]
+        step_inputs = {k: (v[:, :n] if k in ("vision_expert_mask", "image_embed_mask", "image_rope_mask",
+                                              "position_ids") else v) for k, v in inputs.items()}
+        step_inputs["attention_mask"] = inputs["attention_mask"][..., :n, :n]
+        step_inputs["input_ids"] = ids
+        token = int(model(**step_inputs)[0][0, -1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        last = inputs["position_ids"][:, n - 1:n] + 1
+        inputs["position_ids"] = torch.cat([inputs["position_ids"][:, :n], last], dim=1)
+        for key in ("vision_expert_mask", "image_embed_mask", "image_rope_mask"):
+            inputs[key] = torch.cat([inputs[key][:, :n], torch.zeros_like(inputs[key][:, :1])], dim=1)
+        inputs["attention_mask"] = torch.ones(1, 1, n + 1, n + 1).tril()
+    return tokenizer.decode(out)
+
+
+def verify(argv) -> int:
+    from .cogvlm import llama2_tokenizer, model_class_for
+    p = argparse.ArgumentParser(prog="python -m sat_patches.finetune verify")
+    p.add_argument("--kind", choices=KINDS, default="cogvlm")
+    p.add_argument("--probe", required=True)
+    p.add_argument("--merged", required=True, help="MP=1 checkpoint written by python -m sat_patches.merge")
+    p.add_argument("--local_tokenizer", required=True)
+    p.add_argument("--max_length", type=int, default=80)
+    p.add_argument("--version", default="base")
+    p.add_argument("--tolerance", type=float, default=1e-4)
+    a = p.parse_args(argv)
+    probe = torch.load(a.probe)
+    model, args = model_class_for(a.kind).from_pretrained(a.merged, None)
+    model.eval()
+    args.max_length = a.max_length
+    tokenizer = llama2_tokenizer(a.local_tokenizer, signal_type=a.version)
+    image, text, cross = processors(args, tokenizer)
+    args.valid_data = [probe["valid_data"]]
+    batch = probe_batch(args, image, text, cross)
+    with torch.no_grad():
+        logits = model(**model_inputs(batch))[0].float()
+    diff = (logits - probe["logits"]).abs().max().item()
+    answer = greedy_answer(model, batch, tokenizer)
+    print(f"merged MP=1 model vs trained model: max |logit difference| = {diff:.2e} (tolerance {a.tolerance:g})")
+    print(f"merged model output for CAPTCHA '{probe['label']}': {answer!r}", flush=True)
+    if not diff <= a.tolerance:
+        print("error: the merged model's outputs differ from the trained model's", file=sys.stderr)
+        return 1
+    return 0
+
+
+def prepare(argv) -> int:
+    from .cogvlm import prepare_tiny_run
+    p = argparse.ArgumentParser(prog="python -m sat_patches.finetune prepare")
+    p.add_argument("--kind", choices=KINDS, default="cogvlm")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--n-train", type=int, default=64)
+    a = p.parse_args(argv)
+    run = prepare_tiny_run(a.workdir, a.kind, n_train=a.n_train)
+    print(f"prepared tiny {a.kind}: model {run.model_dir}, tokenizer {run.tokenizer_dir}, "
+          f"data {run.train_dir} / {run.valid_dir}")
+    return 0
+
+
+COMMANDS = {"prepare": prepare, "train": train, "verify": verify}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m sat_patches.finetune {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
