@@ -247,6 +247,20 @@ def test_plain_checkpoint_loads_into_lora_model_without_missing_keys():
                        plain_sd["transformer.layers.1.attention.query_key_value.bias"])
 
 
+def test_plain_checkpoint_materialises_a_meta_base_lora_model_with_assign():
+    """The meta-construction flow: base built on meta, LoRA added, base checkpoint loaded with assign."""
+    torch.manual_seed(0)
+    plain = build(num_layers=1)
+    model = build(num_layers=1).to("meta")
+    with devices.use_device("cpu"):
+        add_lora(model)
+    result = model.load_state_dict(plain.state_dict(), strict=False, assign=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    ids = batch()
+    assert torch.equal(logits(model, ids), logits(plain, ids))  # B = 0
+
+
 # -- QLoRA -------------------------------------------------------------------------------
 
 def _qlora_inject():
