@@ -1,4 +1,4 @@
-"""``sat-patches`` command line: ``status`` (more subcommands register themselves in COMMANDS)."""
+"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report`` (subcommands register in COMMANDS)."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,11 @@ def _status_parser(sub):
     p.set_defaults(func=cmd_status)
 
 
+from . import doctor, plan, report  # noqa: E402
+
 # (name, function that adds the subparser); other modules append theirs
-COMMANDS = [("status", _status_parser)]
+COMMANDS = [("status", _status_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
+            ("report", report.add_parser)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ Phases, each recorded when the SAT call named returns (patches below):
     build           a SAT model is constructed                (MetaModel.__call__, outermost)
     load            sat.training.model_io.load_checkpoint / BaseModel.from_pretrained
     split           sat.mpu.operation.mp_split_model_rank0 / mp_split_model_receive (stock MP>1 loading)
-    lora            LoraMixin.reinit (LoRA layers injected)
+    lora            BaseModel.add_mixin of a LoRA mixin with reinit (LoRA layers injected)
     deepspeed_init  setup_model_untrainable_params_and_optimizer (parameter sync, deepspeed.initialize)
     first_step      the first train_step
     step            every train_step that ends a log interval (args.log_interval)
@@ -110,16 +110,17 @@ class Ledger:
         return row
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Record ``name`` when the outermost such block of this thread ends (nested builds count once)."""
+    def phase(self, name: str, once: bool = False):
+        """Record ``name`` when the outermost such block of this thread ends (nested builds count
+        once); with ``once``, only the first time."""
         depth = getattr(self._depth, name, 0)
         setattr(self._depth, name, depth + 1)
         try:
             yield
         finally:
             setattr(self._depth, name, depth)
-            if depth == 0 and enabled():
-                self.record(name)
+        if depth == 0 and enabled() and not (once and any(r.phase == name for r in self.rows)):
+            self.record(name)  # only when the call returned
 
     def gather(self) -> List[Row]:
         """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
@@ -240,14 +241,14 @@ def format_table(shown: List[Row], everything: List[Row], title: str = "", where
 # --------------------------------------------------------------------------------------
 # Patches: record a phase when a SAT function returns
 # --------------------------------------------------------------------------------------
-def _recording(phase: str):
+def _recording(phase: str, once: bool = False):
     """Wrap a function (or classmethod) so that :data:`LEDGER` records ``phase`` when it returns."""
     def make(original):
         func = original.__func__ if isinstance(original, classmethod) else original
 
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            with LEDGER.phase(phase):
+            with LEDGER.phase(phase, once):
                 return func(*args, **kwargs)
         return classmethod(wrapper) if isinstance(original, classmethod) else wrapper
     return make
@@ -278,12 +279,32 @@ def _answers(what):
     return f"issue 6 memory ledger: {what}"
 
 
-PATCHES = [
-    Patch("ledger_start", "sat.arguments:initialize_distributed", _recording("start"),
-          answers=_answers("baseline after imports and process-group set-up"),
-          expect=expect_names("init_process_group")),
+def _add_mixin(original):
+    """``BaseModel.add_mixin``: record "lora" once a LoRA mixin was added and injected (reinit)."""
+    @functools.wraps(original)
+    def add_mixin(self, name, new_mixin, reinit=False):
+        if not (reinit and "lora" in type(new_mixin).__name__.lower()):
+            return original(self, name, new_mixin, reinit=reinit)
+        with LEDGER.phase("lora"):
+            return original(self, name, new_mixin, reinit=reinit)
+    return add_mixin
+
+
+# Registered beneath construction's patches on the same targets (they call the original), so those
+# stay outermost and removable one by one.
+BENEATH = [
     Patch("ledger_build", "sat.model.registry:MetaModel.__call__", _recording("build"),
           answers=_answers("host/CUDA memory once a SAT model is built (CogVLM 283: killed while building)")),
+    Patch("ledger_lora", "sat.model.base_model:BaseModel.add_mixin", _add_mixin,
+          answers=_answers("memory once LoRA layers are injected (stock lora2 copies every base layer)"),
+          expect=expect_params("name", "new_mixin", "reinit")),
+]
+
+# Registered above loading's replacements (which do not call SAT's originals).
+PATCHES = [
+    Patch("ledger_start", "sat.arguments:initialize_distributed", _recording("start", once=True),
+          answers=_answers("baseline after imports and process-group set-up"),
+          expect=expect_names("init_process_group")),
     Patch("ledger_load", "sat.training.model_io:load_checkpoint", _recording("load"),
           answers=_answers("memory after a checkpoint load (CogVLM 320: RAM twice the model)"),
           expect=expect_params("model", "args")),
@@ -296,9 +317,6 @@ PATCHES = [
     Patch("ledger_split_receive", "sat.mpu.operation:mp_split_model_receive", _recording("split"),
           answers=_answers("ranks receiving their partition (SAT 173)"),
           expect=expect_names("broadcast")),
-    Patch("ledger_lora", "sat.model.finetune.lora2:LoraMixin.reinit", _recording("lora"),
-          answers=_answers("memory once LoRA layers are injected (lora2 copies every base layer)"),
-          expect=expect_params("parent_model")),
     Patch("ledger_deepspeed_init", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
           _recording("deepspeed_init"),
           answers=_answers("memory after parameter sync and deepspeed.initialize (optimizer states)"),
@@ -307,4 +325,3 @@ PATCHES = [
           answers=_answers("first step and every log interval; rank 0 prints/writes the table, flags outliers"),
           expect=expect_params("data_iterator", "model", "optimizer", "lr_scheduler", "args", "timers")),
 ]
-

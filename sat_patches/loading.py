@@ -756,13 +756,31 @@ def _stage_of(store, rank: int) -> str:
     return f"rank {rank} is at stage '{what}' for {time.time() - float(since):.0f} s"
 
 
+def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
+    """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
+    so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
+    store = _store()
+    if store is None:
+        return [value]
+    key = f"sat_patches/{name}/"
+    store.set(key + str(dist.get_rank()), value)
+    keys = [key + str(r) for r in range(dist.get_world_size())]
+    store.wait(keys, datetime.timedelta(seconds=load_timeout() if timeout is None else timeout))
+    return [store.get(k).decode() for k in keys]
+
+
+_node_ranks: Dict[Tuple[int, int], List[int]] = {}
+
+
 def node_ranks() -> List[int]:
     """Global ranks on this rank's node (same host and launcher node rank), from every rank."""
-    node = (socket.gethostname(), os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK")
-            or os.environ.get("NODE_RANK") or "")
-    nodes: List = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, node)
-    return [r for r, n in enumerate(nodes) if n == node]
+    me = (dist.get_rank(), dist.get_world_size())
+    if me not in _node_ranks:
+        node = "|".join((socket.gethostname(), os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK")
+                         or os.environ.get("NODE_RANK") or ""))
+        nodes = store_gather("node", node)
+        _node_ranks[me] = [r for r, n in enumerate(nodes) if n == node]
+    return _node_ranks[me]
 
 
 def check_local_world_size() -> Optional[int]:
@@ -833,17 +851,22 @@ def _initialize_model_parallel(original):
     return initialize_model_parallel
 
 
+_runs = 0
+
+
 def _training_main(original):
     module = sys.modules[original.__module__]
 
     @functools.wraps(original)
     def training_main(args, *a, **kw):
         timestamped = not (args.load and args.mode == "pretrain")
+        global _runs
         clock = module.datetime
-        if timestamped and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [clock.now() if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0, device=devices.communication_device())
-            module.datetime = _SharedStart(module, clock, box[0])
+        if timestamped and _store() is not None:
+            _runs += 1
+            start = clock.now().isoformat() if dist.get_rank() == 0 else ""
+            start = store_gather(f"start/{_runs}", start)[0]
+            module.datetime = _SharedStart(module, clock, clock.fromisoformat(start))
         try:
             with all_ranks_loading():
                 return original(args, *a, **kw)

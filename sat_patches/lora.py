@@ -273,8 +273,12 @@ def dequantize_nf4(layer: nn.Module) -> torch.Tensor:
     if getattr(weight.quant_state, "packing_format_for_cpu", False):
         # bitsandbytes' CPU inference path repacked it; the inverse rewrites quant_state in place,
         # so the data must be put back with it (as Params4bit.cuda() does)
-        weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        unpacked = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        weight.data, weight.quant_state = unpacked
     return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+
+
+FLOAT_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> None:
@@ -284,7 +288,7 @@ def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> Non
     for name, child in list(module.named_children()):
         if id(child) in done:
             setattr(module, name, done[id(child)][1])
-        elif isinstance(child, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) and not isinstance(child, Linear4bit):
+        elif isinstance(child, FLOAT_LINEARS) and not isinstance(child, Linear4bit):
             done[id(child)] = (child, quantize_nf4(child))
             setattr(module, name, done[id(child)][1])
         else:
@@ -393,7 +397,8 @@ def _as_layout(layout) -> Mapping[str, LoraLayout]:
     return lora_layout(layout) if isinstance(layout, nn.Module) else layout
 
 
-def split_lora_state_dict(state_dict: Mapping[str, torch.Tensor], layout, mp_size: int) -> List[Dict[str, torch.Tensor]]:
+def split_lora_state_dict(state_dict: Mapping[str, torch.Tensor], layout,
+                          mp_size: int) -> List[Dict[str, torch.Tensor]]:
     """Split the LoRA layers of an MP=1 state dict into ``mp_size`` per-rank state dicts.
 
     ``layout`` is a model with LoRA layers (any MP size; only its structure is read) or the dict
@@ -408,7 +413,8 @@ def split_lora_state_dict(state_dict: Mapping[str, torch.Tensor], layout, mp_siz
     return shards
 
 
-def merge_lora_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]], layout) -> Dict[str, torch.Tensor]:
+def merge_lora_state_dicts(state_dicts: Sequence[Mapping[str, torch.Tensor]],
+                           layout) -> Dict[str, torch.Tensor]:
     """Merge the LoRA layers of per-rank state dicts (model-parallel rank order) into one MP=1 dict.
 
     The inverse of :func:`split_lora_state_dict`; replicated tensors are taken from rank 0. Returns

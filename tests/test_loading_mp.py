@@ -17,15 +17,15 @@ CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024,
 SEQ = 8
 
 
-def _reference(ckpt_dir):
-    """Every rank: the MP=1 reference model (same values everywhere); rank 0 saves it."""
+def _reference(ckpt_dir, lora=False):
+    """Every rank: the MP=1 reference model (same values everywhere, LoRA B != 0); rank 0 saves it."""
     import torch
     import torch.distributed as dist
     from sat import mpu
     from sat_patches.testing import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
-    cfg = el.config(**CFG)
+    cfg = el.config(**CFG, lora_rank=4 if lora else 0)
     args = el.build_args(cfg)
     ref = el.model_class()(args)
     el.fill_(ref, seed=0)
@@ -48,19 +48,38 @@ def _logits(model):
                      vision_mask=vision)[0].float()
 
 
-def _expected_slice(ref_module, name, mp, rank):
+def _expected(ref, mp, rank):
+    """Rank ``rank``'s MP=``mp`` state: SAT's own partition(), LoRA layers by sat_patches.lora's split."""
     from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    if isinstance(ref_module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-        weights, biases = ref_module.partition(mp)
-        return weights[rank] if name == "weight" else biases[rank]
-    return getattr(ref_module, name)
+    from sat_patches.lora import split_lora_state_dict
+    state = dict(ref.state_dict())
+    for name, module in ref.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            weights, biases = module.partition(mp)
+            state[name + ".weight"] = weights[rank]
+            if biases:
+                state[name + ".bias"] = biases[rank]
+    state.update(split_lora_state_dict(ref.state_dict(), ref, mp)[rank])
+    return state
 
 
-def load_mp2(ckpt_dir, cuda_standin=False):
-    """MP=1 checkpoint -> MP=2 with from_pretrained; returns what the test checks.
+def _diff(model, want):
+    """(max |difference|, names whose shape differs) of a model's state against ``want``."""
+    worst, mismatched = 0.0, []
+    for name, t in model.state_dict().items():
+        if want[name].shape != t.shape:
+            mismatched.append(name)
+        else:
+            worst = max(worst, float((want[name].float() - t.float()).abs().max()))
+    return worst, mismatched
+
+
+def load_mp2(ckpt_dir, cuda_standin=False, lora=False):
+    """MP=1 checkpoint -> MP=2 with from_pretrained (and AutoModel's); returns what the tests check.
 
     ``cuda_standin``: ``Tensor.cuda()`` returns the tensor, so that stock SAT's rank-0 path (which
-    calls it before ``send``) runs on CPU as it does on a GPU machine."""
+    calls it before ``send``) runs on CPU as it does on a GPU machine. ``lora``: the model has LoRA
+    on every attention (A/B split between ranks as sat_patches.lora lays them out)."""
     import copy
     import torch
     import torch.distributed as dist
@@ -69,7 +88,8 @@ def load_mp2(ckpt_dir, cuda_standin=False):
     if cuda_standin:
         torch.Tensor.cuda = lambda self, *a, **kw: self
 
-    ref, cfg = _reference(ckpt_dir)
+    from sat.model.base_model import AutoModel
+    ref, cfg = _reference(ckpt_dir, lora)
     ref_logits = _logits(ref)
     sent = []
     for op in ("send", "recv", "isend", "irecv", "broadcast", "scatter"):
@@ -96,43 +116,41 @@ def load_mp2(ckpt_dir, cuda_standin=False):
                                  if before.get(k, "<absent>") != vars(caller_args).get(k, "<absent>"))
     out["overwrite_after"] = overwrite
     out["mp"] = mpu.get_model_parallel_world_size()
-    rank = mpu.get_model_parallel_rank()
-    ref_modules = dict(ref.named_modules())
-    worst, mismatched = 0.0, []
-    for name, p in model.named_parameters():
-        owner, _, attr = name.rpartition(".")
-        want = _expected_slice(ref_modules[owner], attr, 2, rank)
-        if want.shape != p.shape:
-            mismatched.append(name)
-            continue
-        worst = max(worst, float((want.float() - p.float()).abs().max()))
-    out["param_diff"], out["mismatched"] = worst, mismatched
+    want = _expected(ref, 2, mpu.get_model_parallel_rank())
+    out["param_diff"], out["mismatched"] = _diff(model, want)
+    out["lora_keys"] = sum("matrix_" in k for k in model.state_dict())
     out["devices"] = sorted({str(p.device) for p in model.parameters()})
     out["logit_diff"] = float((_logits(model) - ref_logits).abs().max())
+    del sent[:]
+    auto, _ = AutoModel.from_pretrained(ckpt_dir, el.build_args(cfg, mode="inference", model_parallel_size=2),
+                                        overwrite_args={"model_parallel_size": 2})
+    out["auto_sent"] = [s for s in sent if s[1] and len(s[1]) > 1]
+    out["auto_diff"] = _diff(auto, want)
     return out
 
 
 def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
-    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"),), timeout=150)
+    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), False, True), timeout=150)
     for r in results:
         assert r.ok, r.output[-3000:]
         got = r.result
         assert "error" not in got, got
-        assert got["mp"] == 2
+        assert got["mp"] == 2 and got["lora_keys"] == 2 * 2 * 4, got  # 2 layers, qkv (3 A, 3 B) + dense (1, 1)
         assert got["mismatched"] == [] and got["param_diff"] == 0.0, got
         assert got["logit_diff"] < 1e-5, got
-        assert got["sent"] == [], f"weights were sent between ranks: {got['sent'][:5]}"
+        assert got["sent"] == [] and got["auto_sent"] == [], f"weights were sent between ranks: {got}"
         assert got["args_changed"] == [] and got["overwrite_after"] == {"model_parallel_size": 2}, got
+        assert got["auto_diff"] == (0.0, []), got
 
 
 def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
     """Without the patch (``Tensor.cuda`` stood in, as on a GPU box): rank 0 builds the full model and
     sends each partition; the caller's args and overwrite_args are changed."""
     results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), True), timeout=150,
-                        patches=["from_pretrained_rank_local"])
+                        patches=["from_pretrained_rank_local", "automodel_from_pretrained_rank_local"])
     rank0 = results[0].result
     assert rank0 is not None and "error" not in rank0, results[0].output[-3000:]
-    assert rank0["sent"], rank0  # weights shipped from rank 0
+    assert rank0["sent"] and rank0["auto_sent"], rank0  # weights shipped from rank 0
     assert {"device", "skip_init"} <= set(rank0["args_changed"]), rank0
     assert rank0["overwrite_after"] == {}, rank0  # model_parallel_size popped from the caller's dict
 

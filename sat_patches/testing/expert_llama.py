@@ -5,7 +5,7 @@ parallel layers with ``params_dtype=torch.float, device=torch.device('cpu')`` de
 replaces LLaMA's own MLP mixin (built and initialised first, then discarded, as CogVLM does). Each
 layer has language and vision weights for the gate, the MLP and the attention (fused qkv with
 ``stride=3``, so ColumnParallel ``stride`` slicing is exercised). Tokens flagged by ``vision_mask``
-take the vision MLP.
+take the vision MLP. ``lora_rank`` > 0 adds SAT's ``LoraMixin`` to every layer's attention.
 """
 from __future__ import annotations
 
@@ -69,11 +69,16 @@ def model_class():
             self.add_mixin("mlp", VisionExpertFCMixin(args.hidden_size, args.inner_hidden_size, args.num_layers,
                                                       vision_layers))
             self.add_mixin("attn", VisionExpertAttnMixin(args.hidden_size, vision_layers))
+            if getattr(args, "lora_rank", 0):
+                from sat.model.finetune.lora2 import LoraMixin
+                self.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank), reinit=True)
 
         @classmethod
         def add_model_specific_args(cls, parser):
             super().add_model_specific_args(parser)
-            parser.add_argument_group("ExpertLLaMA").add_argument("--num-vision-layers", type=int, default=1)
+            group = parser.add_argument_group("ExpertLLaMA")
+            group.add_argument("--num-vision-layers", type=int, default=1)
+            group.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention (0: none)")
             return parser
 
     return ExpertLLaMA
