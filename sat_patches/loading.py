@@ -738,10 +738,21 @@ def barrier(name: str, timeout: Optional[float] = None) -> None:
     key = f"sat_patches/barrier/{_barriers}/"
     with stage(f"waiting at '{name}'"):
         store.set(key + str(me), "1")
+    _wait(store, [key + str(r) for r in range(world)], timeout, name)
+    store.set(key + f"left/{me}", "1")
+    if me == 0:  # rank 0 usually hosts the store: it leaves last, so no rank loses the store while waiting
+        _wait(store, [key + f"left/{r}" for r in range(world)], timeout, name)
+
+
+def _wait(store, keys: List[str], timeout: float, name: str) -> None:
+    me = dist.get_rank()
     try:
-        store.wait([key + str(r) for r in range(world)], datetime.timedelta(seconds=timeout))
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except dist.DistNetworkError as exc:
+        raise RuntimeError(f"rank {me} lost the process group's store at '{name}': the rank that hosts it "
+                           f"(usually rank 0) exited or crashed; see that rank's log") from exc
     except (dist.DistError, RuntimeError) as exc:
-        late = [r for r in range(world) if not store.check([key + str(r)])]
+        late = [r for r, k in enumerate(keys) if not store.check([k])]
         raise LoadTimeout(f"rank {me} waited {timeout:.0f} s at '{name}' for rank(s) {late}: "
                           + "; ".join(_stage_of(store, r) for r in late)
                           + f". Look at those ranks (hung, or slower storage), or raise SAT_PATCHES_LOAD_TIMEOUT "

@@ -1,0 +1,177 @@
+"""Merge a model-parallel LoRA checkpoint into one MP=1 checkpoint with the LoRA folded in.
+
+    python -m sat_patches.merge CHECKPOINT_DIR OUTPUT_DIR [--lora-alpha 1] [--iteration N]
+
+One process, no GPU: each tensor is read from the memory-mapped shards, the model-parallel slices
+are joined (ColumnParallel by stride, RowParallel by input, vocabulary by rows; LoRA's ``matrix_A``/
+``matrix_B`` by their own layouts) and ``W += scaling * B @ A`` is added in place in bounded chunks.
+This is the step that fails with stock SAT (CogVLM 117, 451: unexpected keys and shape mismatches on
+``matrix_A/B`` in ``mp_merge_model_rank0``). The output is written to a temporary directory and
+renamed into place: an existing OUTPUT_DIR is never overwritten unless ``--overwrite`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from typing import Dict, List
+
+import torch
+
+LORA_A = ".matrix_A."
+
+
+def lora_layers(keys) -> Dict[str, int]:
+    """``{module path: number of LoRA partitions}`` from checkpoint keys."""
+    layers: Dict[str, int] = {}
+    for key in keys:
+        if LORA_A in key:
+            path, index = key.split(LORA_A)
+            layers[path] = max(layers.get(path, 0), int(index) + 1)
+    return layers
+
+
+def _partition(state: dict, path: str, count: int):
+    """SAT's ``partition`` argument: a count when the parts are equal, else their relative sizes."""
+    rows = [state[f"{path}.matrix_B.{i}"].shape[0] for i in range(count)]
+    if len(set(rows)) == 1:
+        return count
+    g = math.gcd(*rows)
+    return [r // g for r in rows]
+
+
+def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[str]:
+    """Wrap every layer that has LoRA weights in ``state`` (SAT's ``replace_linear_with_lora``)."""
+    from sat.model.finetune.lora2 import replace_linear_with_lora
+    paths = []
+    for path, count in sorted(lora_layers(state).items()):
+        r = state[f"{path}.matrix_A.0"].shape[0]
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, name, replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
+                                                       lora_alpha))
+        paths.append(path)
+    return paths
+
+
+def fold_lora(model: torch.nn.Module, paths: List[str]) -> None:
+    from sat.model.finetune.lora2 import merge_linear_lora
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, name, merge_linear_lora(getattr(parent, name)))
+
+
+def _checkpoint_dtype(state: dict) -> torch.dtype:
+    for t in state.values():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def model_class(name: str, imports=()):
+    """The registered SAT model class ``name``; ``imports`` are modules that register it (upstream
+    CogVLM's ``utils.models``); sat_patches' own CogVLM/CogAgent are tried last."""
+    import importlib
+    from sat.model.registry import model_registry
+    for module in [*imports, "sat_patches.cogvlm"]:
+        try:
+            return model_registry.get(name)
+        except ValueError:
+            importlib.import_module(module)
+    try:
+        return model_registry.get(name)
+    except ValueError:
+        raise SystemExit(f"error: model_class {name} (model_config.json) is not a registered SAT model: pass "
+                         f"--import MODULE for the module that defines it") from None
+
+
+def build_args(config: dict, dtype: torch.dtype, imports=()):
+    cls = model_class(config["model_class"], imports)
+    args = cls.get_args()
+    for key, value in config.items():
+        setattr(args, key, value)
+    args.model_parallel_size = 1
+    args.skip_init, args.use_gpu_initialization, args.mode = True, False, "inference"
+    args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16
+    args.device = "cpu"
+    return cls, args
+
+
+def write_checkpoint(model, config: dict, out_dir: str, overwrite: bool) -> None:
+    """Write atomically: a temporary sibling directory renamed into place."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "1"))
+    torch.save({"module": model.state_dict(), "iteration": 1},
+               os.path.join(tmp, "1", "mp_rank_00_model_states.pt"))
+    with open(os.path.join(tmp, "latest"), "w") as f:
+        f.write("1")
+    with open(os.path.join(tmp, "model_config.json"), "w") as f:
+        json.dump(config, f, indent=4)
+    if os.path.exists(out_dir):
+        old = tmp + ".old"
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
+          imports=()) -> dict:
+    from . import construction, loading
+    if os.path.exists(out_dir) and not overwrite:
+        raise SystemExit(f"error: {out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
+    ckpt = loading.find_checkpoint(checkpoint, iteration)
+    config = loading.read_model_config(checkpoint, need_class=True)
+    with loading.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
+        source = loading.ShardedSource(ckpt)
+    state = source.state[0]
+    cls, args = build_args(config, _checkpoint_dtype(state), imports)
+    from sat.arguments import _simple_init
+    _simple_init(model_parallel_size=1, seed=1)
+    with construction.build_on("meta", _checkpoint_dtype(state)):
+        model = cls(args, params_dtype=_checkpoint_dtype(state))
+    paths = inject_lora(model, state, lora_alpha)
+    missing, unexpected = loading.load_state(model, source)
+    if missing or unexpected:
+        raise SystemExit(f"error: {checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    fold_lora(model, paths)
+    out_config = dict(config, model_parallel_size=1)
+    if "use_lora" in out_config:
+        out_config["use_lora"] = False
+    write_checkpoint(model, out_config, out_dir, overwrite)
+    return {"shards": ckpt.mp_size, "lora_layers": len(paths), "iteration": ckpt.iteration}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sat_patches.merge", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="SAT checkpoint directory (with 'latest' and model_config.json)")
+    p.add_argument("output", help="new directory for the MP=1 checkpoint")
+    p.add_argument("--lora-alpha", type=float, default=1.0,
+                   help="the LoraMixin lora_alpha used in training (SAT's and CogVLM's default: 1)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to merge (default: 'latest')")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help="module that registers the checkpoint's model_class (e.g. utils.models)")
+    a = p.parse_args(argv)
+    from .loading import CheckpointError
+    try:
+        info = merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite, a.imports)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged {info['shards']} model-parallel shard(s) of iteration {info['iteration']} and "
+          f"{info['lora_layers']} LoRA layer(s) into {a.output} (MP=1)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
