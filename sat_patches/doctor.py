@@ -342,6 +342,17 @@ def _alloc_conf_problems(value: str):
     return malformed, unknown
 
 
+def _usable_interfaces(ifname: str, interfaces: List[str]) -> List[str]:
+    """NCCL's reading: comma-separated prefixes; a leading ^ excludes them, a leading = matches exactly."""
+    exclude = ifname.startswith("^")
+    rest = ifname.lstrip("^")
+    exact = rest.startswith("=")
+    names = [w.strip() for w in rest.lstrip("=").split(",") if w.strip()]
+    def matches(i):
+        return any(i == w if exact else i.startswith(w) for w in names)
+    return [i for i in interfaces if matches(i) != exclude]
+
+
 def check_comm_env(f: Facts) -> Check:
     env = f.env
     shown = sorted(k for k in env if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "PYTORCH_CUDA_ALLOC_CONF")
@@ -356,12 +367,9 @@ def check_comm_env(f: Facts) -> Check:
         warns.append((f"PYTORCH_CUDA_ALLOC_CONF={conf}: option(s) {', '.join(unknown)} unknown to torch 2.x "
                       f"(a typo raises at the first CUDA allocation)", example))
     ifname = env.get("NCCL_SOCKET_IFNAME")
-    if ifname and f.net_interfaces:
-        wanted = [w.strip() for w in ifname.split(",") if w.strip()]
-        include = [w for w in wanted if not w.startswith("^")]
-        if include and not any(i.startswith(w.lstrip("=")) for w in include for i in f.net_interfaces):
-            fails.append((f"NCCL_SOCKET_IFNAME={ifname} matches no interface here ({', '.join(f.net_interfaces)})",
-                          "set it to an interface `ip addr` lists, or unset it"))
+    if ifname and f.net_interfaces and not _usable_interfaces(ifname, f.net_interfaces):
+        fails.append((f"NCCL_SOCKET_IFNAME={ifname} matches no interface here ({', '.join(f.net_interfaces)})",
+                      "set it to an interface `ip addr` lists, or unset it"))
     for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         if env.get(name) == "0":
             warns.append((f"{name}=0: a timed-out NCCL collective never aborts, the job hangs",

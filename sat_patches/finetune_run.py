@@ -150,7 +150,9 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     commands = cpu_commands(env, kind) if run_mode == "cpu" else gpu_commands(env, kind, run_mode == "checkout")
-    run_env = dict(env, LOCAL_WORLD_SIZE=env.get("CPU_RANKS") if run_mode == "cpu" else env["NUM_GPUS_PER_WORKER"])
+    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
+    run_env = env if run_mode == "cpu" else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+    run_env = {k: v for k, v in run_env.items() if not (run_mode == "cpu" and k == "LOCAL_WORLD_SIZE")}
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}", flush=True)
     for cmd in commands:
         if "{checkpoint}" in cmd:

@@ -442,7 +442,7 @@ def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str]
     where a tensor is still on meta (attributes such as ``model_parallel`` are kept). Returns
     (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
-    assigned: Dict[int, torch.Tensor] = {}
+    assigned: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
     target = materialise_device()
     hooked_prefixes = []
 
@@ -454,15 +454,16 @@ def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str]
             if key not in source:
                 missing.append(key)
                 continue
-            if id(t) in assigned:  # shared (tied) tensor, already loaded
-                new = assigned[id(t)]
+            if id(t) in assigned and assigned[id(t)][0] is t:  # shared (tied) tensor, already loaded
+                new = assigned[id(t)][1]
+                source.used.add(key)
             elif t.is_meta:
                 new = torch.empty(t.shape, dtype=t.dtype, device=target)
                 source.copy_into(key, new, split_of(model, key, module, name))
                 if is_param:
                     new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                     new.__dict__.update(t.__dict__)
-                assigned[id(t)] = new
+                assigned[id(t)] = (t, new)  # holding t keeps its id from being reused
             else:
                 source.copy_into(key, t, split_of(model, key, module, name))
                 continue
@@ -618,16 +619,14 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     """Build ``model_cls(args)`` and load ``ckpt`` on every rank: on meta then materialised from the
     checkpoint when it holds every tensor, else on the compute device (initialised, as SAT's
     ``get_model``) then loaded into."""
-    from sat.helpers import check_if_zero3, print_rank0
+    from sat.helpers import print_rank0
     source = open_source(ckpt, prefix)  # before building: a damaged file stops here
-    model = None
-    if not check_if_zero3(args):
-        with stage(f"building {model_cls.__name__} on meta"):
-            model = _build(args, model_cls, kwargs, on_meta=True)
-        if not fills_every_tensor(model, source):
-            print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
-                        f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
-            model = None
+    with stage(f"building {model_cls.__name__} on meta"):
+        model = _build(args, model_cls, kwargs, on_meta=True)
+    if not fills_every_tensor(model, source):
+        print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
+                    f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
+        model = None
     if model is None:
         with stage(f"building {model_cls.__name__} on {devices.compute_device()}"):
             model = _build(args, model_cls, kwargs, on_meta=False)
@@ -807,7 +806,9 @@ def check_local_world_size() -> Optional[int]:
         warnings.warn(f"ranks {ranks} share this node: SAT's node groups assume consecutive blocks of "
                       f"LOCAL_WORLD_SIZE ranks per node; leaving LOCAL_WORLD_SIZE={said}", SatPatchesWarning)
         return None
-    if said != str(real):
+    if said is None:  # SAT would guess min(world size, 8)
+        os.environ["LOCAL_WORLD_SIZE"] = str(real)
+    elif said != str(real):
         warnings.warn(f"LOCAL_WORLD_SIZE={said} but this node runs {real} rank(s) {ranks} (a launcher "
                       f"environment such as CogVLM's .deepspeed_env sets it): using LOCAL_WORLD_SIZE={real} "
                       f"for SAT's node groups", SatPatchesWarning)
@@ -846,9 +847,13 @@ def _load_checkpoint(original):
 
 
 def _from_pretrained(auto: bool):
+    """SAT's from_pretrained, rank-local at any MP size; under ZeRO-3 SAT's own (zero.Init places weights)."""
     def make(original):
         @functools.wraps(original.__func__)
         def wrapper(cls, name, args=None, **kwargs):
+            from sat.helpers import check_if_zero3
+            if args is not None and check_if_zero3(args):
+                return original.__func__(cls, name, args, **kwargs)
             return from_pretrained(None if auto else cls, name, args, **kwargs)
         return classmethod(wrapper)
     return make

@@ -478,10 +478,11 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     lines = [f"sat-patches plan: {name} on {args.nodes} node(s) x {args.gpus} GPU(s) x {args.gpu_mem:g} GB"
              + (f", host {args.host_mem:g} GB per node" if args.host_mem else "")]
     if first:
-        lines.append(f"model: {first.params / 1e9:.2f} B parameters ({describe(config)}); trainable "
-                     f"{first.trainable / 1e6:.1f} M ({'LoRA' if s0.train == 'lora' else 'upstream demo set'}"
-                     f", rank {s0.lora_rank}), {s0.dtype}, max_length {s0.seq_len}, "
-                     f"{'' if s0.checkpoint_activations else 'no '}activation checkpointing")
+        base = parameter_count(config)
+        lines.append(f"model: {base / 1e9:.2f} B parameters ({describe(config)}); LoRA rank {s0.lora_rank} adds "
+                     f"{(first.params - base) / 1e6:.1f} M; trainable {first.trainable / 1e6:.1f} M "
+                     f"({'LoRA' if s0.train == 'lora' else 'LoRA + upstream demo set'}), {s0.dtype}, "
+                     f"max_length {s0.seq_len}, {'' if s0.checkpoint_activations else 'no '}activation checkpointing")
     lines.append(" MP  ZeRO  offload  micro-batch  GB/GPU  host GB/node  stock-SAT host GB/node")
     groups = {}
     for o in opts:

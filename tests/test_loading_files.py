@@ -155,3 +155,45 @@ def test_released_pages_read_back_the_same(tmp_path):
     first = mapped.clone()
     loading.release_pages(mapped)
     assert torch.equal(mapped, first) and torch.equal(first, data)
+
+
+# -- materialising a model built on meta -----------------------------------------------------
+
+class _Shared(torch.nn.Module):
+    """Tied parameters, one module reachable under many names (as EVA-CLIP-E's rope), buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 6, bias=False)
+        self.head = torch.nn.Linear(6, 6, bias=False)
+        self.head.weight = self.embed.weight
+        rope = torch.nn.Module()
+        rope.register_buffer("table", torch.ones(5, 3))
+        self.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in range(6))
+        for block in self.blocks:
+            block.rope = rope
+            block.proj = torch.nn.Linear(6, 6)
+        self.embed.weight.model_parallel = False  # an attribute SAT sets: must survive
+
+
+def test_meta_model_materialises_with_ties_shared_modules_and_attributes(tmp_path):
+    from sat_patches.construction import build_on
+    real = _Shared()
+    with torch.no_grad():
+        for p in real.parameters():
+            p.normal_()
+        real.blocks[0].rope.table.mul_(3)
+    torch.save({"module": real.state_dict()}, tmp_path / "mp_rank_00_model_states.pt")
+    with build_on("meta", torch.bfloat16):
+        model = _Shared()
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    source = ShardedSource(Checkpoint(str(tmp_path), 1, False, [str(tmp_path / "mp_rank_00_model_states.pt")]))
+    missing, unexpected = loading.load_state(model, source)
+    assert missing == [] and unexpected == []
+    assert loading.meta_tensors(model) == []
+    assert model.head.weight is model.embed.weight and model.embed.weight.model_parallel is False
+    assert all(b.rope is model.blocks[0].rope for b in model.blocks)
+    for key, want in real.state_dict().items():
+        got = model.state_dict()[key]
+        assert got.dtype == torch.bfloat16, key  # the run's dtype, converted while copying
+        assert torch.equal(got.float(), want.to(got.dtype).float()), key

@@ -74,12 +74,14 @@ def _diff(model, want):
     return worst, mismatched
 
 
-def load_mp2(ckpt_dir, cuda_standin=False, lora=False):
+def load_mp2(ckpt_dir, cuda_standin=False, lora=False, stall_timeout=None):
     """MP=1 checkpoint -> MP=2 with from_pretrained (and AutoModel's); returns what the tests check.
 
     ``cuda_standin``: ``Tensor.cuda()`` returns the tensor, so that stock SAT's rank-0 path (which
     calls it before ``send``) runs on CPU as it does on a GPU machine. ``lora``: the model has LoRA
-    on every attention (A/B split between ranks as sat_patches.lora lays them out)."""
+    on every attention (A/B split between ranks as sat_patches.lora lays them out).
+    ``stall_timeout``: then load once more with ``SAT_PATCHES_LOAD_TIMEOUT`` at that many seconds
+    while rank 0 hangs in ``torch.load`` (see :func:`stalled_load`)."""
     import copy
     import torch
     import torch.distributed as dist
@@ -126,11 +128,17 @@ def load_mp2(ckpt_dir, cuda_standin=False, lora=False):
                                         overwrite_args={"model_parallel_size": 2})
     out["auto_sent"] = [s for s in sent if s[1] and len(s[1]) > 1]
     out["auto_diff"] = _diff(auto, want)
+    if stall_timeout:
+        out["stall"] = stalled_load(ckpt_dir, cfg, stall_timeout)
     return out
 
 
+STALL_TIMEOUT = 3
+
+
 def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
-    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), False, True), timeout=150)
+    """... then rank 0 stalls in torch.load: rank 1 stops within the load timeout, naming the stage."""
+    results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), False, True, STALL_TIMEOUT), timeout=150)
     for r in results:
         assert r.ok, r.output[-3000:]
         got = r.result
@@ -141,6 +149,10 @@ def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
         assert got["sent"] == [] and got["auto_sent"] == [], f"weights were sent between ranks: {got}"
         assert got["args_changed"] == [] and got["overwrite_after"] == {"model_parallel_size": 2}, got
         assert got["auto_diff"] == (0.0, []), got
+    kind, elapsed, message = results[1].result["stall"]
+    assert kind == "LoadTimeout", results[1].result["stall"]
+    assert STALL_TIMEOUT <= elapsed < STALL_TIMEOUT + 5, elapsed
+    assert "rank 0 is at stage 'opening 1 shard(s) of" in message and "SAT_PATCHES_LOAD_TIMEOUT" in message, message
 
 
 def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
@@ -155,36 +167,26 @@ def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
     assert rank0["overwrite_after"] == {}, rank0  # model_parallel_size popped from the caller's dict
 
 
-def stalled_rank0(ckpt_dir, stall):
-    """Rank 0 hangs in torch.load for ``stall`` seconds; the others must stop at the barrier."""
+def stalled_load(ckpt_dir, cfg, timeout):
+    """Rank 0 hangs in torch.load for longer than the load timeout: the others must stop at the
+    barrier, naming rank 0's stage. Returns (exception name or "loaded", seconds, message)."""
+    import os
     import time
     import torch
     from sat import mpu
     from sat_patches.testing import expert_llama as el
-    ref, cfg = _reference(ckpt_dir)
-    mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(2)
+    os.environ["SAT_PATCHES_LOAD_TIMEOUT"] = str(timeout)
     if mpu.get_model_parallel_rank() == 0:
         real_load = torch.load
 
         def slow_load(*a, **kw):
-            time.sleep(stall)
+            time.sleep(timeout + 4)
             return real_load(*a, **kw)
         torch.load = slow_load
     start = time.monotonic()
     try:
         el.model_class().from_pretrained(ckpt_dir, el.build_args(cfg, model_parallel_size=2),
                                          overwrite_args={"model_parallel_size": 2})
-        return ("loaded", time.monotonic() - start)
+        return ("loaded", time.monotonic() - start, "")
     except Exception as exc:
         return (type(exc).__name__, time.monotonic() - start, str(exc))
-
-
-def test_stalled_rank0_stops_the_others_naming_its_stage(tmp_path):
-    timeout = 3
-    results = run_ranks(stalled_rank0, 2, args=(str(tmp_path / "ckpt"), 4 * timeout), timeout=150,
-                        env={"SAT_PATCHES_LOAD_TIMEOUT": str(timeout)})
-    kind, elapsed, message = results[1].result
-    assert kind == "LoadTimeout", results[1].result
-    assert timeout <= elapsed < timeout + 5, elapsed
-    assert "rank 0 is at stage 'opening 1 shard(s) of" in message and "SAT_PATCHES_LOAD_TIMEOUT" in message, message
