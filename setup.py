@@ -45,7 +45,9 @@ setup(
         "Pillow>=9",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        # `sat-patches report` draws the memory ledger as a PNG
+        "report": ["matplotlib>=3.5"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.cli:main"]},
 )

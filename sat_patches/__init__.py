@@ -11,11 +11,12 @@ from typing import Iterable, List
 from ._registry import REGISTRY, Patch, SatPatchesWarning
 from . import devices, distributed, deepspeed_setup, rotary, lora, construction, loading
 from . import hangs, ledger
+from . import checkpointing
 
 __version__ = "0.1.0"
 
 # Order matters: the rotary module substitute must be in place before anything imports sat.
-REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *ledger.BENEATH, *construction.PATCHES, *loading.PATCHES, *ledger.PATCHES, *hangs.PATCHES)
+REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *ledger.BENEATH, *construction.PATCHES, *loading.PATCHES, *ledger.PATCHES, *hangs.PATCHES, *checkpointing.PATCHES)
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
@@ -24,9 +25,13 @@ def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
     return status()
 
 
-def unpatch() -> None:
-    """Restore every original SAT/DeepSpeed object, including rebound ``from x import y`` aliases."""
-    REGISTRY.unpatch_all()
+def unpatch(*names: str) -> None:
+    """Restore the originals of the named patches (all when none named), including rebound
+    ``from x import y`` aliases; patches stacked over a named one on the same target stay applied."""
+    if names:
+        REGISTRY.restore(names)
+    else:
+        REGISTRY.unpatch_all()
 
 
 def status() -> List[dict]:

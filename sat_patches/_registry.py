@@ -135,10 +135,16 @@ class Patch:
         self.status, self.reason = "applied", ("forced: " + problem) if problem else ""
 
     def restore(self) -> None:
+        """Put the original back. A later patch wrapping this one must come off first
+        (:meth:`Registry.restore` orders that)."""
         if self.status != "applied" or self.replacement is None:
             return
         owner, attr = self._owner_and_attr()
-        if self._raw(owner, attr) is self.replacement:
+        top = self._raw(owner, attr)
+        if top is not self.replacement and self.is_applied():
+            raise RuntimeError(f"cannot restore '{self.name}': patch '{getattr(top, MARKER, '?')}' wraps it; "
+                               f"use sat_patches.unpatch('{self.name}'), which takes that one off first")
+        if top is self.replacement:
             setattr(owner, attr, self.original)
         for namespace, name in self.rebound:
             if namespace.get(name) is self.replacement:
@@ -211,16 +217,35 @@ class Registry:
                           f"known: {', '.join(self.names())}", SatPatchesWarning, stacklevel=3)
         if force is None:
             force = os.environ.get("SAT_PATCHES_FORCE", "") not in ("", "0")
-        for p in self.patches:
+        for i, p in enumerate(self.patches):
             if p.name in disabled or "all" in disabled:
                 if p.status != "applied":
                     p.status, p.reason = "disabled", "SAT_PATCHES_DISABLE"
                 continue
+            if not p.is_applied():  # keep registration order on a shared target: later ones go on top
+                for later in reversed(self.patches[i + 1:]):
+                    if later.target == p.target and later.status == "applied":
+                        later.restore()
             p.apply(force=force)
 
     def unpatch_all(self) -> None:
         for p in reversed(self.patches):
             p.restore()
+
+    def restore(self, names) -> List[Patch]:
+        """Restore the named patches. Patches applied later on the same target wrap them: those come
+        off first and go back on (over the originals) afterwards. Returns the restored patches."""
+        chosen = [self.get(n) for n in names]
+        first = {}
+        for p in chosen:
+            first[p.target] = min(first.get(p.target, len(self.patches)), self.patches.index(p))
+        undo = [p for i, p in enumerate(self.patches) if p in chosen or i > first.get(p.target, i)]
+        for p in reversed(undo):
+            p.restore()
+        for p in undo:
+            if p not in chosen:
+                p.apply()
+        return chosen
 
     def table(self) -> List[dict]:
         return [dict(name=p.name, target=p.target, status=p.status, reason=p.reason,

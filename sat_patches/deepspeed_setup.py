@@ -20,8 +20,9 @@ def lint_deepspeed_config(config: dict, world_size: Optional[int] = None, model_
 
     - ``fp16.min_loss_scale`` must be an integer (SAT's bundled configs say 0.01): fixed.
     - ``offload_optimizer`` / ``offload_param`` at the top level are ignored by DeepSpeed (upstream's
-      ``test_config_bf16.json``): moved into ``zero_optimization`` when its stage supports them
-      (1+ / 3), refused otherwise.
+      ``test_config_bf16.json``, SAT's ``deepspeed_zero2.json``): on CUDA ranks moved into
+      ``zero_optimization`` when its stage supports them (1+ / 3), refused otherwise; on CPU ranks
+      dropped (nothing to offload to).
     - ``train_batch_size`` must equal micro-batch x gradient accumulation x data-parallel ranks
       (``world_size / model_parallel_size``), and SAT's loader feeds ``batch_size`` per rank:
       a missing micro-batch is set to it, an inconsistent set of numbers is refused.
@@ -62,10 +63,14 @@ def _place_offload(config: dict, key: str, needs_stage: int) -> None:
         _warn(f"a top-level '{key}' is ignored by DeepSpeed and zero_optimization.{key} is already set "
               f"({zero[key]}); dropping the top-level one ({config[key]})")
         del config[key]
+    elif devices.compute_device().type != "cuda":
+        _warn(f"'{key}' is at the top level, where DeepSpeed ignores it; dropped: on CPU ranks offloading to "
+              f"the CPU changes nothing (and would compile DeepSpeed's CPU Adam)")
+        del config[key]
     elif stage >= needs_stage:
         zero[key] = config.pop(key)
         _warn(f"'{key}' was at the top level, where DeepSpeed ignores it; moved into zero_optimization "
-              f"(stage {stage}), where it takes effect: {zero[key]}")
+              f"(stage {stage}), where it takes effect: {zero[key]} (its states now live in host memory)")
     else:
         raise DeepSpeedConfigError(
             f"DeepSpeed config: '{key}' is at the top level, where DeepSpeed ignores it; it belongs in "

@@ -128,9 +128,9 @@ def gather(hostfile: str = "hostfile") -> Facts:
     if v["bitsandbytes"]:
         try:
             import bitsandbytes.cextension as cext
-            lib = getattr(cext, "lib", None)
-            facts.bnb_cuda = bool(getattr(cext, "COMPILED_WITH_CUDA", False) or
-                                  "cuda" in str(getattr(lib, "_name", lib)).lower())
+            cuda_library = getattr(cext, "CudaBNBNativeLibrary", None)   # bitsandbytes >= 0.44
+            facts.bnb_cuda = bool((cuda_library and isinstance(getattr(cext, "lib", None), cuda_library))
+                                  or getattr(cext, "COMPILED_WITH_CUDA", False))
         except Exception:  # noqa: BLE001  (bitsandbytes fails to import: reported as no CUDA binary)
             facts.bnb_cuda = False
     facts.ninja = shutil.which("ninja") or (_version("ninja") and "python package ninja")

@@ -151,24 +151,23 @@ def _store():
 
 
 def blocked_call(thread_id: Optional[int], in_collective: bool = True) -> str:
-    """Where a thread is: its innermost SAT frame when it has one, else (in a collective) the caller
-    outside torch, else its innermost frame."""
+    """Where a thread is: in a collective, its innermost SAT frame (else its innermost frame outside
+    torch); otherwise its innermost SAT frame, else its innermost frame."""
     frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
     stack = []
     while frame is not None:
         if frame.f_code.co_filename != __file__:
             stack.append(frame)
         frame = frame.f_back
-    sat = _in_package("sat")
-    outside_torch = lambda f: not _in_package("torch")(f)  # noqa: E731
-    for test, label in ((sat, "Blocked SAT call"), (outside_torch, "Blocked in")):
-        if in_collective:
-            for f in stack:
-                if test(f):
-                    return f"{label}: {_where(f)}"
-    for f in stack:
-        if sat(f):
-            return f"This rank is in no collective; innermost SAT call: {_where(f)}"
+    in_sat, in_torch = _in_package("sat"), _in_package("torch")
+    sat_frame = next((f for f in stack if in_sat(f)), None)
+    if in_collective:
+        if sat_frame is not None:
+            return f"Blocked SAT call: {_where(sat_frame)}"
+        caller = next((f for f in stack if not in_torch(f)), None)
+        return f"Blocked in: {_where(caller)}" if caller else "Blocked in torch"
+    if sat_frame is not None:
+        return f"This rank is in no collective; innermost SAT call: {_where(sat_frame)}"
     return f"This rank is in no collective; it is at {_where(stack[0])}" if stack else "No Python frame"
 
 
@@ -185,7 +184,10 @@ def fire(reason: str, thread_id: Optional[int], leader: bool, in_collective: boo
     """Print the header and every thread's stack, tell the other ranks (leader), exit non-zero."""
     if _watchdog is not None and not _watchdog.fired.acquire(blocking=False):
         _watchdog.fired.acquire()  # another thread of this rank is dumping and will exit the process
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    try:
+        rank = dist.get_rank()
+    except Exception:  # noqa: BLE001  (no process group)
+        rank = int(os.environ.get("RANK", "0"))
     header = (f"\nsat_patches: rank {rank} (pid {os.getpid()}) at {time.time():.3f}: {reason}. "
               f"{blocked_call(thread_id, in_collective)}. Python stacks of every thread follow; exiting with status "
               f"{EXIT_CODE} ({ENV} sets the timeout).\n")

@@ -15,7 +15,9 @@ Phases, each recorded when the SAT call named returns (patches below):
 
 At the first step and at every log interval the ranks' new rows are gathered to rank 0, which appends
 them to ``memory_ledger.csv`` and rewrites ``memory_ledger.json`` in the run directory
-(``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table.
+(``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table. With
+``SAT_PATCHES_LEDGER_DIR`` each rank also writes its rows the moment it records them
+(``memory_ledger.rank<N>.csv``), so a run killed while building or loading still leaves its ledger.
 ``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
+import glob
 import json
 import os
 import statistics
@@ -36,6 +39,7 @@ import torch
 from ._registry import Patch, expect_names, expect_params
 
 CSV_NAME, JSON_NAME, PNG_NAME = "memory_ledger.csv", "memory_ledger.json", "memory_ledger.png"
+RANK_CSV = "memory_ledger.rank{rank}.csv"   # with SAT_PATCHES_LEDGER_DIR: each rank's rows as they happen
 MiB = 2 ** 20
 FAR_ABOVE_RATIO = 1.25      # a rank is flagged when its peak exceeds the others' median by this factor
 FAR_ABOVE_MIN_MIB = 512     # ... and by at least this much
@@ -107,6 +111,9 @@ class Ledger:
                   **host_memory(), **cuda_memory())
         self.rows.append(row)
         self.pending.append(row)
+        early = os.environ.get("SAT_PATCHES_LEDGER_DIR")
+        if early:  # each rank's own file, written at once: kept when the run dies before the first step
+            _append(os.path.join(early, RANK_CSV.format(rank=row.rank)), [row], fresh=len(self.rows) == 1)
         return row
 
     @contextlib.contextmanager
@@ -128,12 +135,8 @@ class Ledger:
         mine, self.pending = [asdict(r) for r in self.pending], []
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [Row(**r) for r in mine]
-        from . import devices
         boxes = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        backend = str(dist.get_backend())
-        device = devices.communication_device() if "nccl" in backend and "cpu:" not in backend else None
-        kwargs = {"device": device} if device is not None else {}
-        dist.gather_object(mine, boxes, dst=0, **kwargs)
+        dist.gather_object(mine, boxes, dst=0)  # torch picks the group's object device (CUDA for NCCL)
         return [Row(**r) for box in (boxes or []) for r in box]
 
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
@@ -144,7 +147,7 @@ class Ledger:
         first = not self.table
         self.table.extend(new)
         if run_dir:
-            write(run_dir, new, self.table)
+            write(run_dir, new, self.table, fresh=first)
         shown = new if first else latest_per_rank(new)
         print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
         return new
@@ -157,27 +160,38 @@ def run_directory(args=None) -> Optional[str]:
     return os.environ.get("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
 
 
-def write(run_dir: str, new: List[Row], everything: List[Row]) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, CSV_NAME)
-    fresh = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
+def _append(path: str, rows: List[Row], fresh: bool) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w" if fresh else "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if fresh:
             writer.writeheader()
-        writer.writerows(asdict(r) for r in new)
+        writer.writerows(asdict(r) for r in rows)
+
+
+def write(run_dir: str, new: List[Row], everything: List[Row], fresh: bool = False) -> None:
+    """Rank 0: append ``new`` to the run's CSV (a new file when ``fresh``) and rewrite the JSON."""
+    _append(os.path.join(run_dir, CSV_NAME), new, fresh or not os.path.exists(os.path.join(run_dir, CSV_NAME)))
     with open(os.path.join(run_dir, JSON_NAME), "w") as f:
         json.dump({"rows": [asdict(r) for r in everything], "flagged": flagged(everything)}, f, indent=1)
 
 
-def read(run_dir: str) -> List[Row]:
-    path = os.path.join(run_dir, CSV_NAME)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no {CSV_NAME} in {run_dir}: run with sat_patches applied and --save set "
-                                f"(or SAT_PATCHES_LEDGER_DIR) until the first training step")
+def _read_csv(path: str) -> List[Row]:
     with open(path, newline="") as f:
         return [Row(**{k: (v if k == "phase" else (int(float(v)) if k in ("rank", "iteration") else float(v)))
                        for k, v in r.items()}) for r in csv.DictReader(f)]
+
+
+def read(run_dir: str) -> List[Row]:
+    """The run's rows: rank 0's table, else (the run ended before its first step) every rank's own file."""
+    path = os.path.join(run_dir, CSV_NAME)
+    if os.path.exists(path):
+        return _read_csv(path)
+    own = sorted(glob.glob(os.path.join(run_dir, RANK_CSV.format(rank="*"))))
+    if not own:
+        raise FileNotFoundError(f"no {CSV_NAME} in {run_dir}: run with sat_patches applied and --save set "
+                                f"(or SAT_PATCHES_LEDGER_DIR) until the first training step")
+    return sorted((r for p in own for r in _read_csv(p)), key=lambda r: (r.time, r.rank))
 
 
 def latest_per_rank(rows: List[Row]) -> List[Row]:

@@ -95,7 +95,8 @@ class Checkpoint:
         return len(self.files)
 
     def open(self, shard: int) -> dict:
-        """The shard's saved dict, memory-mapped: tensors are read only when used."""
+        """The shard's saved dict, memory-mapped: tensors are read only when used. (Unpickled in full,
+        as SAT does: SAT/DeepSpeed checkpoints hold numpy RNG states that weights_only=True refuses.)"""
         try:
             return torch.load(self.files[shard], map_location="cpu", mmap=True, weights_only=False)
         except Exception as exc:
@@ -146,7 +147,8 @@ def _read_latest(load_path: str, entries: List[str]) -> Tuple[int, bool]:
         hint = f" e.g. `echo {max(numbered, key=int)} > {tracker}`" if numbered else ""
         raise CheckpointError(f"'{load_path}' has no 'latest' file naming the iteration to load: write "
                               f"it{hint}, or pass specific_iteration")
-    text = open(tracker).read().strip()
+    with open(tracker) as f:
+        text = f.read().strip()
     if text == "release":
         return 0, True
     if text.isdigit() and int(text) > 0:

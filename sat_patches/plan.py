@@ -307,10 +307,14 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     if c.get("cross_image_pix"):
         enc = c["encoder_args"]
         n = (c["cross_image_pix"] // enc["patch_size"]) ** 2
-        inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"] / mp
-        # encoder (memory-efficient attention) working set, its output, and each layer's cross keys/values
-        out["activations (cross branch)"] = b * (n * wb * (8 * enc["width"] + 4 * enc["width"] * enc["mlp_ratio"])
-                                                 + L * n * 2 * inner * wb + t * n * inner / 32 * (2 * wb + 1))
+        heads_local = c["num_attention_heads"] / mp
+        inner = heads_local * c["cross_hidden_size_per_attention_head"]
+        # the encoder's working set (memory-efficient attention; every layer's when it trains, upstream does
+        # not checkpoint it), each language layer's cross keys/values, one layer's cross-attention scores
+        encoder_layers = enc["layers"] if s.train == "demo" else 1
+        out["activations (cross branch)"] = b * (
+            encoder_layers * n * wb * (8 * enc["width"] + 4 * enc["width"] * enc["mlp_ratio"])
+            + L * n * 2 * inner * wb + t * n * heads_local * (2 * wb + 1))
     return out
 
 

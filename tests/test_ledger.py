@@ -58,6 +58,9 @@ def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
         assert [r.iteration for r in rows if r.rank == rank and r.phase == "step"] == [2, 4, 6, 8, 10, 12]
         assert all(r.rss_peak_mib >= r.rss_mib > 100 for r in rows if r.rank == rank)
     assert os.path.exists(os.path.join(run_dir, ledger.JSON_NAME))
+    for rank in (0, 1):  # each rank's own rows, written as they happened
+        own = ledger._read_csv(os.path.join(run_dir, ledger.RANK_CSV.format(rank=rank)))
+        assert [r.phase for r in own] == [r.phase for r in rows if r.rank == rank]
     table = results[0].stdout
     assert "[sat_patches memory ledger] after the first step (iteration 1)" in table
     assert re.search(r"^\s+1  first_step\s+1\s+\d+\s+\d+$", table, re.M)  # rank 0 prints rank 1's row
@@ -102,6 +105,16 @@ def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tmp_path):
     assert estimate.cpu_rank / 2 ** 20 == pytest.approx(peak, rel=0.15)
     # the model's own share (weights, LoRA, optimizer, activations) beside the process baseline
     assert (estimate.cpu_rank - plan.HOST_BASE_CPU) / 2 ** 20 == pytest.approx(peak - start, rel=0.15)
+
+
+def test_a_run_that_died_before_its_first_step_still_has_each_rank_s_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAT_PATCHES_LEDGER_DIR", str(tmp_path))
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        book = ledger.Ledger()
+        book.record("start"), book.record("build")
+    rows = ledger.read(str(tmp_path))
+    assert sorted((r.rank, r.phase) for r in rows) == [(0, "build"), (0, "start"), (1, "build"), (1, "start")]
 
 
 def test_a_rank_far_above_the_others_is_flagged():

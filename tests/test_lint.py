@@ -8,7 +8,6 @@ import pytest
 
 import sat_patches
 from sat_patches.deepspeed_setup import DeepSpeedConfigError, _lint_before_deepspeed, lint_deepspeed_config
-from sat_patches.testing import patches_removed
 
 # upstream THUDM/CogVLM finetune_demo/test_config_bf16.json (offload_optimizer at the top level)
 UPSTREAM_BF16 = {
@@ -25,7 +24,15 @@ def lint(config, **kw):
     return lint_deepspeed_config(copy.deepcopy(config), **kw)
 
 
-def test_misplaced_offload_optimizer_moves_into_zero_optimization_where_deepspeed_reads_it():
+@pytest.fixture
+def cuda_rank():
+    """The device policy of a GPU rank (the lint only asks for the device type)."""
+    from sat_patches import devices
+    with devices.use_device("cuda"):
+        yield
+
+
+def test_misplaced_offload_optimizer_moves_into_zero_optimization_where_deepspeed_reads_it(cuda_rank):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     assert DeepSpeedZeroConfig(**UPSTREAM_BF16["zero_optimization"]).offload_optimizer is None  # ignored as shipped
     with pytest.warns(sat_patches.SatPatchesWarning, match="offload_optimizer' was at the top level"):
@@ -34,14 +41,21 @@ def test_misplaced_offload_optimizer_moves_into_zero_optimization_where_deepspee
     assert DeepSpeedZeroConfig(**fixed["zero_optimization"]).offload_optimizer.device == "cpu"
 
 
-def test_offload_without_zero_is_refused_with_what_to_change():
+def test_misplaced_offload_is_dropped_on_cpu_ranks():
+    with pytest.warns(sat_patches.SatPatchesWarning, match="on CPU ranks offloading to the CPU changes nothing"):
+        fixed = lint(UPSTREAM_BF16)
+    assert "offload_optimizer" not in fixed and "offload_optimizer" not in fixed["zero_optimization"]
+    assert fixed["optimizer"]["params"]["torch_adam"] is True  # no CPU-Adam build either
+
+
+def test_offload_without_zero_is_refused_with_what_to_change(cuda_rank):
     config = {**copy.deepcopy(UPSTREAM_BF16), "zero_optimization": {"stage": 0}}
     with pytest.raises(DeepSpeedConfigError, match=r"takes effect from ZeRO stage 1 \(this config: stage 0\).*"
                                                    r"Set zero_optimization.stage to 2"):
         lint(config)
 
 
-def test_offload_param_needs_zero3_and_moves_there():
+def test_offload_param_needs_zero3_and_moves_there(cuda_rank):
     base = {"zero_optimization": {"stage": 2}, "offload_param": {"device": "cpu"}}
     with pytest.raises(DeepSpeedConfigError, match="offload_param.*stage 3"):
         lint(base)
@@ -107,30 +121,24 @@ def test_min_loss_scale_and_sat_bundled_configs_pass():
             assert isinstance(fixed.get("fp16", {}).get("min_loss_scale", 1), int), name
 
 
-def test_lint_runs_at_launch_with_the_run_geometry():
+def test_lint_runs_at_launch_with_the_run_geometry(cuda_rank):
     """The deepspeed_config_lint patch hands SAT's world size, MP size and --batch-size to the lint."""
     seen = []
     wrapped = _lint_before_deepspeed(lambda args: seen.append(args.deepspeed_config) or "initialised")
-    args = argparse.Namespace(deepspeed_config={"train_micro_batch_size_per_gpu": 4, "train_batch_size": 64},
-                              world_size=8, model_parallel_size=2, batch_size=4)
+    bad = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 64}
+    args = argparse.Namespace(deepspeed_config=dict(bad), world_size=8, model_parallel_size=2, batch_size=4)
     with pytest.raises(DeepSpeedConfigError, match="= 16"):
         wrapped(args)
     assert not seen  # refused before SAT/DeepSpeed started anything
+    args.deepspeed_config = {"offload_optimizer": {"device": "cpu"}, "zero_optimization": {"stage": 2}}
+    with pytest.warns(sat_patches.SatPatchesWarning, match="moved into zero_optimization"):
+        assert wrapped(args) == "initialised"
+    assert seen[-1]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
 
 
-def test_lint_patch_is_what_refuses_at_launch():
+def test_sat_initialize_distributed_refuses_a_bad_config_before_its_own_code():
     import sat.arguments
-    args = argparse.Namespace(deepspeed_config={"train_micro_batch_size_per_gpu": 4, "train_batch_size": 64},
-                              world_size=8, model_parallel_size=2, batch_size=4, distributed_backend="gloo")
-    with pytest.raises(DeepSpeedConfigError):
-        sat.arguments.initialize_distributed(args)
-    with patches_removed("deepspeed_config_lint"):
-        calls = []
-        original = sat.arguments.initialize_distributed
-        # without the lint the bad config reaches SAT's own code (stubbed here: no process group is made)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("torch.distributed.is_initialized", lambda: (calls.append(1), True)[1])
-            mp.setattr("sat.mpu.model_parallel_is_initialized", lambda: True)
-            mp.setattr("sat.mpu.get_model_parallel_world_size", lambda: 2)
-            assert original(args) is False
-        assert calls
+    bad = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 64}
+    args = argparse.Namespace(deepspeed_config=bad, world_size=8, model_parallel_size=2, batch_size=4)
+    with pytest.raises(DeepSpeedConfigError, match="Delete train_batch_size"):  # SAT's code would need args.device
+        sat.arguments.initialize_distributed(args)  # as patched by sat_patches

@@ -1,7 +1,6 @@
 """Checkpoint files: clear errors for bad input before anything is built, and rank-local slices of
 split tensors between any two model-parallel sizes (SAT's own ``partition()`` is the reference)."""
 import json
-import os
 import types
 
 import pytest

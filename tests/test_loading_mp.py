@@ -1,10 +1,13 @@
 """Checkpoints at another model-parallel size load rank-locally, from mapped files (issue 5).
 
-One 2-rank run per variant. Each rank builds the same MP=1 CogVLM-like model (LLaMA + vision
-experts, fused QKV with stride 3), rank 0 saves it as a SAT checkpoint, then every rank calls
-``from_pretrained(..., overwrite_args={'model_parallel_size': 2})`` and checks its own partition
-against SAT's own ``partition()`` of the reference, the MP=2 logits against the MP=1 logits, that no
-tensor was sent between ranks, and that the caller's ``args``/``overwrite_args`` are untouched.
+Each rank builds the same MP=1 CogVLM-like model (LLaMA + vision experts, fused QKV with stride 3,
+LoRA on every attention), rank 0 saves it as a SAT checkpoint, then every rank calls
+``from_pretrained(..., overwrite_args={'model_parallel_size': 2})`` (and ``AutoModel``'s) and checks
+its own partition against SAT's own ``partition()`` of the reference (LoRA A/B against
+``sat_patches.lora.split_lora_state_dict``), the MP=2 logits against the MP=1 logits, that no tensor
+was sent between ranks, and that the caller's ``args``/``overwrite_args`` are untouched. Last, rank
+0 hangs while loading: rank 1 must stop within ``SAT_PATCHES_LOAD_TIMEOUT`` naming rank 0's stage.
+The stock run shows SAT's own path: rank 0 builds the full model and ships partitions.
 """
 import pytest
 

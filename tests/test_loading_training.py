@@ -8,9 +8,9 @@ launcher environment's ``LOCAL_WORLD_SIZE=8`` of CogVLM's ``.deepspeed_env`` on 
 Each rank: (1) SAT's node groups; (2) ``training_main`` of the tiny LoRA LLaMA at MP=2, 4 steps,
 saving at the end; (3) ``from_pretrained(<that run>, overwrite_args={'model_parallel_size': 2})``
 (CogVLM 233) against the trained weights; (4) ``training_main --mode pretrain --load <that run>``
-continues to step 8 in the same directory.
+continues to step 8 in the same directory; (5) the MP=2 checkpoint loads at MP=1 (both shards read
+by every rank, LoRA A/B merged) and gives the MP=2 logits.
 """
-import json
 import os
 
 import pytest
@@ -52,6 +52,8 @@ def train_save_resume(root):
     from sat import mpu
     from sat.mpu.initialize import get_node_src_rank, get_node_world_size
     from sat_patches.testing import tiny_lora
+    global TRAIN
+    TRAIN = TRAIN + ["--summary-dir", root + "-summary"]  # SAT's summary writer: not in the work tree
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -73,8 +75,11 @@ def train_save_resume(root):
     run = os.path.join(root, out["dirs"][0])
     out["files"] = sorted(os.listdir(os.path.join(run, "4")))
 
+    logits = {}
+
     def loaded_equals_saved():
         model = _from_pretrained_mp2(run)
+        logits[2] = _logits(model)
         saved = torch.load(os.path.join(run, "4", f"mp_rank_{mpu.get_model_parallel_rank():02d}_model_states.pt"),
                            map_location="cpu", weights_only=False)["module"]
         return max(float((saved[k].float() - v.float()).abs().max()) for k, v in model.state_dict().items())
@@ -86,7 +91,24 @@ def train_save_resume(root):
                                                              "--load", run, "--save", root]), deadline=60)
     out["latest"] = open(os.path.join(run, "latest")).read().strip()
     out["dirs_after"] = sorted(os.listdir(root))
+
+    def mp1_matches_mp2():  # the MP=2 checkpoint (LoRA included) at MP=1: each rank reads both shards
+        cls = tiny_lora.model_class()
+        model, _ = cls.from_pretrained(run, cls.get_args(mode="inference"), overwrite_args={"model_parallel_size": 1},
+                                       specific_iteration=4)
+        return mpu.get_model_parallel_world_size(), float((_logits(model) - logits[2]).abs().max())
+    out["mp1"] = _outcome(mp1_matches_mp2, deadline=30)
     return out
+
+
+def _logits(model):
+    import torch
+    from sat_patches.testing import tiny_lora
+    ids = (torch.arange(2 * 8).reshape(2, 8) * 7) % tiny_lora.VOCAB
+    pos = torch.arange(8)[None].expand_as(ids)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=pos, attention_mask=torch.ones(1, 1, 8, 8).tril())[0].float()
 
 
 def _from_pretrained_mp2(run):
@@ -115,6 +137,7 @@ def test_mp2_saves_one_directory_and_resumes(tmp_path):
         assert got["from_pretrained"] == ("ok", 0.0), got
         assert got["resume"][0] == "ok", got
         assert got["latest"] == "8" and got["dirs_after"] == got["dirs"], got
+        assert got["mp1"][0] == "ok" and got["mp1"][1][0] == 1 and got["mp1"][1][1] < 1e-4, got
 
 
 def test_stock_splits_directories_loses_node_groups_and_cannot_resume(tmp_path):

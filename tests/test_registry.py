@@ -120,3 +120,21 @@ def test_cli_status_prints_every_patch():
     lines = out.stdout.splitlines()
     rows = json.loads("\n".join(lines[lines.index("["):]))  # DeepSpeed logs to stdout before it
     assert [r["name"] for r in rows] == sat_patches.names()
+
+
+def test_unpatching_one_of_two_stacked_patches_keeps_the_other():
+    module, _ = _fake_target()
+    reg = Registry()
+    reg.add(Patch("inner", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) * 10), answers="t"),
+            Patch("outer", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) + 5), answers="t"))
+    reg.apply_all()
+    assert module.sat_function(1) == 25
+    with pytest.raises(RuntimeError, match="'outer' wraps it"):
+        reg.get("inner").restore()
+    reg.restore(["inner"])
+    assert module.sat_function(1) == 7  # outer alone, over the original
+    assert [r["status"] for r in reg.table()] == ["restored", "applied"]
+    reg.apply_all()
+    assert module.sat_function(1) == 25  # registration order again: outer over inner
+    reg.unpatch_all()
+    assert module.sat_function(1) == 2
