@@ -22,8 +22,8 @@ rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store eve
 (through :func:`sat_patches.hangs.fire`, which also tells the other ranks). A store that stops
 answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main``
 marks itself done, so a normal end is not mistaken for a death. When a collective fails first
-(gloo notices a closed socket), the failing rank waits up to the timeout to name the dead peer
-before re-raising.
+(gloo notices a closed socket), the failing rank names a peer silent for 3 beats (``timeout / 10``
+each, at most 5 s) and exits; if none is silent it re-raises at once after that wait.
 """
 from __future__ import annotations
 
@@ -157,6 +157,7 @@ class Heartbeat:
         self.interval = max(0.05, min(5.0, timeout / 10))
         self.seen: Dict[int, tuple] = {}      # peer -> (counter, monotonic time it last changed)
         self.store_ok = time.monotonic()
+        self.reason: Optional[str] = None     # the first dead peer found (by either thread), kept
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="sat_patches-heartbeat", daemon=True)
 
@@ -170,8 +171,14 @@ class Heartbeat:
         except Exception:  # noqa: BLE001
             pass
 
-    def dead(self) -> Optional[str]:
-        """Why a peer counts as dead, or None."""
+    def dead(self, silence: Optional[float] = None) -> Optional[str]:
+        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None. The first
+        answer is kept: once the store's host has exited too, the store cannot tell any more."""
+        if self.reason is None:
+            self.reason = self._dead(self.timeout if silence is None else silence)
+        return self.reason
+
+    def _dead(self, silence: float) -> Optional[str]:
         now = time.monotonic()
         try:
             for peer in range(self.world):
@@ -185,11 +192,11 @@ class Heartbeat:
                 last = self.seen.get(peer)
                 if last is None or last[0] != count:
                     self.seen[peer] = (count, now)
-                elif now - last[1] > self.timeout:
+                elif now - last[1] > silence:
                     return f"rank {peer} stopped (no heartbeat for {now - last[1]:.0f} s; {HEARTBEAT_ENV}={self.timeout:g})"
             self.store_ok = now
         except Exception as exc:  # noqa: BLE001  (the store's host is gone)
-            if now - self.store_ok > self.timeout:
+            if now - self.store_ok > silence:
                 return (f"rank 0 stopped (no heartbeat for {now - self.store_ok:.0f} s: the store it hosts is "
                         f"unreachable, {type(exc).__name__}; {HEARTBEAT_ENV}={self.timeout:g})")
         return None
@@ -210,10 +217,12 @@ class Heartbeat:
             hangs._watchdog and hangs._watchdog.inflight))
 
     def wait_for_dead(self) -> Optional[str]:
-        """After a failed collective: up to the timeout (+ one interval) for a peer to be found dead."""
-        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
+        dead; wait at most that long (+ one beat) to name it."""
+        silence = min(self.timeout, 3 * self.interval)
+        deadline = time.monotonic() + silence + 2 * self.interval
         while time.monotonic() < deadline:
-            reason = self.dead()
+            reason = self.dead(silence)
             if reason:
                 return reason
             time.sleep(self.interval)

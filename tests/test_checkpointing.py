@@ -46,7 +46,8 @@ def _run(tmp_path, patches, env=()):
     from sat_patches.testing import run_script
     save = str(tmp_path / "ckpt")
     results = run_script([HERE, *ARGS, "--save", save], nranks=2, timeout=150, patches=patches,
-                         env={"CRASH_RANK": "1", "CRASH_SAVE": "2", "SAT_PATCHES_COLLECTIVE_TIMEOUT": "20", **dict(env)})
+                         env={"CRASH_RANK": "1", "CRASH_SAVE": "2", "SAT_PATCHES_COLLECTIVE_TIMEOUT": "20",
+                              "SAT_PATCHES_HEARTBEAT_TIMEOUT": "5", **dict(env)})
     runs = glob.glob(os.path.join(save, "*", "latest"))
     assert len(runs) == 1, (runs, [r.output[-3000:] for r in results])
     assert "CRASHING rank 1" in results[1].output, results[1].output[-3000:]
@@ -69,6 +70,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert read_model_config(run)["model_parallel_size"] == 2
     assert not os.path.exists(os.path.join(run, "4"))          # the crashed save never appeared
     assert results[1].returncode != 0
+    assert results[0].returncode != 0 and "rank 1 stopped (no heartbeat" in results[0].output   # survivor names it
 
 
 @pytest.mark.multirank
