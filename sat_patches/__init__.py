@@ -16,7 +16,7 @@ from . import checkpointing, faults
 __version__ = "0.1.0"
 
 # Order matters: the rotary module substitute must be in place before anything imports sat.
-REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *ledger.BENEATH, *construction.PATCHES, *loading.PATCHES, *ledger.PATCHES, *hangs.PATCHES, *checkpointing.PATCHES, *faults.PATCHES)
+REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *faults.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *ledger.BENEATH, *construction.PATCHES, *loading.PATCHES, *ledger.PATCHES, *hangs.PATCHES, *checkpointing.PATCHES)
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:

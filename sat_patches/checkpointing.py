@@ -108,7 +108,8 @@ def publish(staged: str, save: str) -> None:
 
 
 def _save_checkpoint(original):
-    """SAT's save_checkpoint, staged in ``<save>/.saving-<N>`` and published by one rename on rank 0."""
+    """SAT's save_checkpoint, staged in ``<save>/.saving-<N>`` and published by one rename on rank 0
+    (issue 7 item 2; CogVLM 283/320: ranks killed with kill -9 during a run, here during a save)."""
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
         import torch.distributed as dist

@@ -125,6 +125,29 @@ def _broadcast_data(original):
     return broadcast_data
 
 
+def _save_ds_checkpoint(original):
+    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save."""
+    import random
+
+    import numpy as np
+
+    @functools.wraps(original)
+    def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False):
+        from sat.training.model_io import save_ds_checkpoint_no_optim
+        sd = {"iteration": iteration}
+        if lr_scheduler is not None:
+            sd["client_lr_scheduler"] = lr_scheduler.state_dict()
+        if not args.no_save_rng:
+            sd["random_rng_state"] = random.getstate()
+            sd["np_rng_state"] = np.random.get_state()
+            sd["torch_rng_state"] = torch.get_rng_state()
+            if compute_device().type == "cuda":
+                sd["cuda_rng_state"] = torch.cuda.get_rng_state()
+        tag = f"{iteration}-ema" if use_ema else str(iteration)
+        save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
+    return save_ds_checkpoint
+
+
 PATCHES = [
     Patch("timers_cuda_sync", "sat.training.utils:Timers.Timer.start", _timer_method,
           answers="CPU runs: Timer.start calls torch.cuda.synchronize (field notes, sat/training/utils.py)",
@@ -132,6 +155,9 @@ PATCHES = [
     Patch("timers_cuda_sync_stop", "sat.training.utils:Timers.Timer.stop", _timer_method,
           answers="CPU runs: Timer.stop calls torch.cuda.synchronize (sat/training/utils.py)",
           expect=expect_names("cuda", "synchronize")),
+    Patch("save_rng_without_cuda", "sat.training.model_io:save_ds_checkpoint", _save_ds_checkpoint,
+          answers="CPU runs: every checkpoint save calls torch.cuda.get_rng_state() unless --no-save-rng",
+          expect=expect_names("get_rng_state", "save_ds_checkpoint_no_optim")),
     Patch("broadcast_data_device", "sat.mpu.data:broadcast_data", _broadcast_data,
           answers="sat/mpu/data.py broadcast_data hard-codes torch.cuda.current_device()",
           expect=expect_names("_build_key_size_numel_dictionaries", "broadcast")),

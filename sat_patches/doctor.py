@@ -325,7 +325,8 @@ def check_hostfile(f: Facts) -> Check:
         else:
             hosts.append((m.group(1), int(m.group(3))))
     if bad or not hosts:
-        return Check("hostfile", FAIL, f"{f.hostfile}: " + (f"lines DeepSpeed cannot parse: {bad[:3]}" if bad else "no hosts"),
+        what = f"lines DeepSpeed cannot parse: {bad[:3]}" if bad else "no hosts"
+        return Check("hostfile", FAIL, f"{f.hostfile}: {what}",
                      "write one 'hostname slots=<GPUs>' line per node")
     return Check("hostfile", OK, f"{f.hostfile}: {len(hosts)} host(s), {sum(s for _, s in hosts)} slots")
 

@@ -96,7 +96,8 @@ def check_finetune_args(args) -> None:
 
 
 def _lora_mixin_init(original):
-    """LoraMixin(layer_num, r, ..., layer_range, qlora): stock SAT divides by r and skips unknown layers."""
+    """LoraMixin(layer_num, r, ..., layer_range, qlora): stock SAT divides by r and skips unknown layers
+    (issue 7 item 4; QLoRA without bitsandbytes: CogVLM 257/438, SAT's own "Build 4bit layer failed")."""
     @functools.wraps(original)
     def __init__(self, layer_num, r=0, *args, **kwargs):
         layer_range = kwargs.get("layer_range", args[2] if len(args) > 2 else None)
@@ -118,7 +119,7 @@ def _deepspeed_config_path(args_list) -> Optional[str]:
 
 
 def _get_args(original):
-    """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix."""
+    """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix (issue 7 item 4)."""
     @functools.wraps(original)
     def get_args(args_list=None, parser=None):
         try:
@@ -246,7 +247,8 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
 
 
 def _training_main(original):
-    """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed."""
+    """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
+    (issue 7 item 1; CogVLM 283/320 kill -9, "training stops with no clear error")."""
     @functools.wraps(original)
     def training_main(args, *a, **kw):
         hb = start_heartbeat()

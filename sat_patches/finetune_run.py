@@ -116,7 +116,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"),
                  save=os.path.join(work, "checkpoints"), ds_config=_config(env, "cpu_demo.json"))
-    options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt"), "--no-save-rng"]
+    options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
         ["torchrun", "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],

@@ -211,7 +211,8 @@ def peaks(rows: List[Row]) -> Dict[int, Dict[str, float]]:
     return out
 
 
-def far_above(values: Dict[int, float], ratio: float = FAR_ABOVE_RATIO, min_mib: float = FAR_ABOVE_MIN_MIB) -> Dict[int, str]:
+def far_above(values: Dict[int, float], ratio: float = FAR_ABOVE_RATIO,
+              min_mib: float = FAR_ABOVE_MIN_MIB) -> Dict[int, str]:
     """Ranks whose value exceeds the median of the other ranks by ``ratio`` and by ``min_mib``."""
     out = {}
     for rank, value in values.items():
@@ -304,8 +305,8 @@ def _add_mixin(original):
     return add_mixin
 
 
-# Registered beneath construction's patches on the same targets (they call the original), so those
-# stay outermost and removable one by one.
+# Registered beneath construction's patches on the same targets: those call the original, so the
+# rows are taken inside construction's build context, after everything the model build allocates.
 BENEATH = [
     Patch("ledger_build", "sat.model.registry:MetaModel.__call__", _recording("build"),
           answers=_answers("host/CUDA memory once a SAT model is built (CogVLM 283: killed while building)")),

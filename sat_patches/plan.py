@@ -137,7 +137,8 @@ def eva_parts(c: dict) -> List[Part]:
     if not e:
         return []
     h, h_lm, f_lm = e["hidden_size"], c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"]
-    embed = e.get("vocab_size", 1) * h + e["max_sequence_length"] * h + h * e.get("in_channels", 3) * e["patch_size"] ** 2 + h
+    patch_embedding = h * e.get("in_channels", 3) * e["patch_size"] ** 2 + h
+    embed = e.get("vocab_size", 1) * h + e["max_sequence_length"] * h + patch_embedding
     tower = _sum("EVA2-CLIP vision tower", _eva_layer(e), e["num_layers"])
     tower.replicated += embed
     glu = h * h_lm + 2 * h_lm + 3 * h_lm * f_lm + 2 * h_lm       # linear_proj, norm1, 3 MLP matrices, boi/eoi
@@ -546,7 +547,8 @@ def add_parser(sub) -> None:
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=None, help="only this ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu"], default=None, help="only this optimizer placement")
     p.add_argument("--micro-batch", type=int, default=None, help="only this micro-batch per GPU")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per sample incl. image tokens (upstream --max_length)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per sample incl. image tokens (upstream --max_length)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--train", choices=["lora", "demo"], default="lora",
                    help="lora: LoRA matrices only; demo: what upstream's finetune_demo trains besides LoRA")

@@ -98,3 +98,18 @@ def test_deepspeed_shm_op_is_not_built_on_cpu(monkeypatch):
     with patches_removed("deepspeed_no_shm_build"):
         ds_torch.build_shm_op()
     assert built == ["ShareMemCommBuilder"]
+
+
+def test_checkpoint_save_keeps_rng_states_without_cuda(monkeypatch, tmp_path):
+    import argparse
+    import sat.training.model_io as model_io
+    saved = {}
+    monkeypatch.setattr(model_io, "save_ds_checkpoint_no_optim",
+                        lambda model, save_dir, tag, client_state: saved.update(tag=tag, **client_state))
+    args = argparse.Namespace(no_save_rng=False, save=str(tmp_path))
+    model_io.save_ds_checkpoint(3, model=None, lr_scheduler=None, args=args)
+    assert saved["tag"] == "3" and "torch_rng_state" in saved and "np_rng_state" in saved
+    assert "cuda_rng_state" not in saved
+    with patches_removed("save_rng_without_cuda"):
+        with pytest.raises(AssertionError, match="not compiled with CUDA"):
+            model_io.save_ds_checkpoint(3, model=None, lr_scheduler=None, args=args)

@@ -68,21 +68,25 @@ def test_without_heartbeat_survivors_do_not_name_the_dead_rank():
 
 
 def test_heartbeat_names_silent_peer_and_ignores_finished_one():
-    """The watcher alone, on a local TCPStore: a peer that stops beating is named, a done one is not."""
+    """The watcher alone, on a local TCPStore: a peer that stops beating is named; one that finished
+    training_main, one that never started (still preprocessing) and beating ones are not."""
     import datetime
     import torch.distributed as dist
     from sat_patches.faults import Heartbeat
     from sat_patches.testing import free_port
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=5))
-    me, silent, finished = (Heartbeat(store, r, 3, timeout=0.5) for r in range(3))
+    me, finished, silent, _never_started = (Heartbeat(store, r, 4, timeout=0.5) for r in range(4))
     silent.beat(), finished.beat(), me.beat()
     finished.done()
     assert me.dead() is None                # first sight of each counter
     time.sleep(0.7)
-    assert me.dead().startswith("rank 1 stopped (no heartbeat for")
-    silent.beat()
-    assert me.dead() is None
-
+    assert me.dead().startswith("rank 2 stopped (no heartbeat for")   # not 1 (done), not 3 (never beat)
+    other = Heartbeat(store, 3, 4, timeout=0.5)
+    assert other.dead() is None
+    silent.beat(), me.beat()
+    time.sleep(0.3)
+    silent.beat(), me.beat()
+    assert other.dead() is None             # beating peers are alive
 
 if __name__ == "__main__":
     _kill_in_step_hook()

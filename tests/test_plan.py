@@ -117,7 +117,8 @@ def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
     assert main(["plan", "--model", "cogvlm-grounding-generalist", "--gpus", "4", "--gpu-mem", "80", "--zero", "2",
                  "--offload", "none", "--micro-batch", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert {(o["setup"]["zero"], o["setup"]["offload"], o["setup"]["micro_batch"]) for o in data["options"]} == {(2, False, 2)}
+    chosen = {(o["setup"]["zero"], o["setup"]["offload"], o["setup"]["micro_batch"]) for o in data["options"]}
+    assert chosen == {(2, False, 2)}
     assert data["recommended"]["script"]["MP_SIZE"] == "1"
 
 
