@@ -11,7 +11,6 @@ import contextlib
 import functools
 import warnings
 
-import torch
 import torch.distributed as dist
 
 from . import devices

@@ -17,7 +17,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional
@@ -484,11 +483,3 @@ def add_parser(sub) -> None:
     p.add_argument("--hostfile", default="hostfile", help="DeepSpeed hostfile to check (default ./hostfile)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-    parser = argparse.ArgumentParser(prog="sat-patches")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["doctor", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

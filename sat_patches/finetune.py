@@ -184,7 +184,6 @@ def save_probe(model, args, image, text, cross):
 @torch.no_grad()
 def greedy_answer(model, batch, tokenizer, steps=8):
     """Greedy decoding after the prompt (no cache: the tiny model is cheap to re-run)."""
-    from .cogvlm import data_collator  # noqa: F401  (same batch layout)
     context = int(batch["context_length"][0])
     ids = batch["input_ids"][:, :context].clone()
     inputs = model_inputs(batch)

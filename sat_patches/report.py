@@ -7,7 +7,6 @@ phases (build, load, lora, deepspeed_init, first_step) are marked on its line. N
 from __future__ import annotations
 
 import os
-import sys
 from typing import List, Optional
 
 from . import ledger
@@ -75,11 +74,3 @@ def add_parser(sub) -> None:
     p.add_argument("run_dir", help="the run directory holding memory_ledger.csv")
     p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger.PNG_NAME})")
     p.set_defaults(func=cmd_report)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import argparse
-    parser = argparse.ArgumentParser(prog="sat-patches")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["report", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 # Stand-ins for what a GPU machine has (triton, a CUDA rotary kernel); kept in "stock" runs so that
 # stock SAT can be imported and run on CPU at all.
