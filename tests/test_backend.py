@@ -9,7 +9,7 @@ import torch
 import sat_patches
 from sat_patches import devices
 from sat_patches.distributed import process_group_backend, training_device
-from sat_patches.testing import run_script
+from sat_patches.testing import run_ranks, run_script
 from sat_patches.testing.fake_backend import register_cuda_only_backend
 
 SCRIPT = ["-m", "sat_patches.testing.tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
@@ -52,3 +52,54 @@ def test_qlora_demo_cpu_device_is_overridden_when_cuda_computes(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert training_device(Args(), model_given=False) == "cpu"  # SAT builds the model itself
+
+
+TINY_EXPERT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024, inner_hidden_size=128,
+                   num_vision_layers=1)
+
+
+def save_mp1_checkpoint(ckpt_dir):
+    import torch.distributed as dist
+    from sat import mpu
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1)
+    cfg = el.config(**TINY_EXPERT)
+    el.write_checkpoint(el.model_class()(el.build_args(cfg)), cfg, ckpt_dir)
+
+
+def from_pretrained_mp2_on_cuda_only_group(ckpt_dir):
+    """Every rank: the group created through SAT's initialize_distributed with a CUDA-only backend (as
+    NCCL) at model-parallel size 2 (CogVLM's demo: --model-parallel-size 2), then
+    from_pretrained(MP=1 checkpoint, overwrite_args={'model_parallel_size': 2})."""
+    import argparse
+    import os
+    import torch.distributed as dist
+    from sat import mpu
+    from sat.arguments import initialize_distributed
+    from sat_patches.testing import expert_llama as el
+    from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+    simulate_cuda_barrier()
+    initialize_distributed(argparse.Namespace(
+        distributed_backend=register_cuda_only_backend(), rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]), device="cpu", deepspeed=False, model_parallel_size=2))
+    cfg = el.config(**TINY_EXPERT)
+    el.model_class().from_pretrained(ckpt_dir, el.build_args(cfg, model_parallel_size=2),
+                                     overwrite_args={"model_parallel_size": 2})
+    return {"mp": mpu.get_model_parallel_world_size(), "backend": str(dist.get_backend())}
+
+
+@pytest.mark.multirank
+def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
+    ckpt = str(tmp_path / "mp1")
+    [saved] = run_ranks(save_mp1_checkpoint, 1, args=(ckpt,), timeout=120)
+    assert saved.ok, saved.output[-3000:]
+    stock = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180,
+                      patches=["process_group_backend", "from_pretrained_rank_local"])
+    receiver = stock[1]
+    assert not receiver.ok and "No backend type associated with device type cpu" in (receiver.exception or ""), \
+        receiver.output[-3000:]
+    patched = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180)
+    for r in patched:
+        assert r.ok, r.output[-3000:]
+        assert r.result == {"mp": 2, "backend": "cpu:gloo,cuda:fakenccl"}
