@@ -235,8 +235,9 @@ def _timed_collective(original):
             return original(*args, **kwargs)
         except Exception as exc:
             if outermost and _looks_like_timeout(exc):
-                fire(f"collective '{name}' raised: {str(exc).strip().splitlines()[0][:300]}",
-                     threading.get_ident(), leader=True)
+                # the process group's own timeout (same length) can beat the watchdog: same report
+                fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "
+                     f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True)
             raise
         finally:
             watchdog.leave(outermost)
