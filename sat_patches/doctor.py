@@ -386,16 +386,14 @@ def check_comm_env(f: Facts) -> Check:
 
 def check_collective_timeout(f: Facts) -> Check:
     from .hangs import ENV
+    from .settings import env_seconds
     raw = f.env.get(ENV, "").strip()
     if not raw:
         return Check("hang dumps", INFO, f"{ENV} unset: a stuck collective is dumped after torch's default 30 min")
     try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1
-    if seconds <= 0:
-        return Check("hang dumps", FAIL, f"{ENV}={raw!r} is not a positive number of seconds",
-                     f"set {ENV}=1800 (seconds) or unset it")
+        seconds = env_seconds(ENV, environ=f.env)
+    except ValueError as exc:
+        return Check("hang dumps", FAIL, str(exc), f"set {ENV}=1800 (seconds) or unset it")
     return Check("hang dumps", OK, f"a collective stuck {seconds:g} s dumps every rank's stacks and ends the run")
 
 

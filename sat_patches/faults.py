@@ -36,6 +36,7 @@ import time
 from typing import Dict, Optional, Sequence
 
 from ._registry import Patch, expect_names, expect_params
+from .settings import env_seconds
 
 
 # --------------------------------------------------------------------------------------
@@ -142,12 +143,10 @@ PREFIX = "sat_patches/heartbeat/"
 
 def heartbeat_timeout() -> Optional[float]:
     """Seconds of silence after which a peer is declared dead; None (off) when set to 0."""
-    raw = os.environ.get(HEARTBEAT_ENV, "300").strip()
     try:
-        value = float(raw)
-    except ValueError:
-        raise BadInputError(f"{HEARTBEAT_ENV}={raw!r}: give a number of seconds (0 turns heartbeats off)")
-    return value if value > 0 else None
+        return env_seconds(HEARTBEAT_ENV, 300.0, zero_turns_off=True, what=" of silence that mark a rank dead")
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
 
 
 class Heartbeat:

@@ -32,6 +32,7 @@ from typing import Dict, Optional
 import torch.distributed as dist
 
 from ._registry import Patch, expect_names
+from .settings import env_seconds
 
 ENV = "SAT_PATCHES_COLLECTIVE_TIMEOUT"
 EXIT_CODE = 124                 # as coreutils' timeout
@@ -45,16 +46,7 @@ _TIMEOUT_TEXT = ("timed out", "timeout", "watchdog caught collective")
 
 def collective_timeout() -> Optional[float]:
     """``SAT_PATCHES_COLLECTIVE_TIMEOUT`` in seconds, or None when unset."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{ENV}={raw!r}: give a positive number of seconds, e.g. {ENV}=1800")
-    return value
+    return env_seconds(ENV, what=" that a collective may take")
 
 
 class Watchdog:

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from . import construction, devices
 from ._registry import Patch, SatPatchesWarning, expect_names, expect_params
+from .settings import env_seconds
 
 CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LOAD_CHUNK_MB", "64")) * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
@@ -72,7 +73,7 @@ class LoadTimeout(RuntimeError):
 
 
 def load_timeout() -> float:
-    return float(os.environ.get("SAT_PATCHES_LOAD_TIMEOUT", "1800"))
+    return env_seconds("SAT_PATCHES_LOAD_TIMEOUT", 1800.0, what=" that loading may take")
 
 
 # --------------------------------------------------------------------------------------

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
-import os
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
 from ._registry import Patch, expect_names
+from .settings import env_seconds
 
 ENV = "SAT_PATCHES_PREPROCESS_TIMEOUT"
 DEFAULT_TIMEOUT = 7200.0
@@ -54,17 +53,7 @@ _calls = 0
 
 def preprocess_timeout() -> float:
     """``SAT_PATCHES_PREPROCESS_TIMEOUT`` in seconds (default 7200)."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{ENV}={raw!r}: set it to a positive number of seconds that data preprocessing on rank 0 "
-                         f"may take, e.g. {ENV}={DEFAULT_TIMEOUT:.0f} (or unset it for that default)")
-    return value
+    return env_seconds(ENV, DEFAULT_TIMEOUT, what=" that data preprocessing on rank 0 may take")
 
 
 def _gloo_group(timeout: float):

@@ -25,7 +25,7 @@ What SAT 0.4.12 loses on resume (``sat/training``), each answered by one patch h
   first batch again. Every training loader now honours ``start_iter``, and resuming sets
   ``resume_dataloader`` (a continued run is meant to continue, not to re-read its first batches).
 
-Exactness assumes the same world size, model-parallel size and batch settings as the stopped run
+ZeRO-3 runs keep SAT's own save and load. Exactness assumes the same world size, model-parallel size and batch settings as the stopped run
 (DeepSpeed refuses a ZeRO checkpoint of another data-parallel size with its own message), and a
 checkpoint saved without ``--no-save-rng``. A checkpoint written by stock SAT has no optimizer shards:
 the optimizer then starts fresh, with a warning.
@@ -43,9 +43,11 @@ from ._registry import Patch, SatPatchesWarning, expect_names
 
 
 def resuming(args) -> bool:
-    """``training_main`` continuing a run: ``--mode pretrain --load`` with a loaded iteration > 0."""
+    """``training_main`` continuing a run: ``--mode pretrain --load`` with a loaded iteration > 0
+    (not under ZeRO-3, whose z3_rank_* checkpoints SAT loads its own way)."""
+    from sat.helpers import check_if_zero3
     return (getattr(args, "mode", None) == "pretrain" and bool(getattr(args, "load", None))
-            and int(getattr(args, "iteration", 0) or 0) > 0)
+            and int(getattr(args, "iteration", 0) or 0) > 0 and not check_if_zero3(args))
 
 
 def _zero_sharded(engine) -> bool:
@@ -196,7 +198,8 @@ def _save_checkpoint(original):
     """SAT saves no ZeRO optimizer shards (``save_ds_checkpoint_no_optim``; CogVLM finetune resume)."""
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
-        if getattr(args, "save", None) and hasattr(model, "_save_zero_checkpoint"):
+        from sat.helpers import check_if_zero3
+        if getattr(args, "save", None) and hasattr(model, "_save_zero_checkpoint") and not check_if_zero3(args):
             save_optimizer_states(model, args.save, iteration)  # before SAT's closing barrier
         return original(iteration, model, optimizer, lr_scheduler, args)
     return save_checkpoint

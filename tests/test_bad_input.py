@@ -147,6 +147,19 @@ def deepspeed_config_not_json(tmp):
                   "--vocab-size", "1024", "--deepspeed_config", str(path)])
 
 
+def load_timeout_not_a_number(tmp):
+    from sat_patches.loading import load_timeout
+    saved = os.environ.get("SAT_PATCHES_LOAD_TIMEOUT")
+    os.environ["SAT_PATCHES_LOAD_TIMEOUT"] = "30min"
+    try:
+        load_timeout()
+    finally:
+        if saved is None:
+            del os.environ["SAT_PATCHES_LOAD_TIMEOUT"]
+        else:
+            os.environ["SAT_PATCHES_LOAD_TIMEOUT"] = saved
+
+
 def sat_code_differs(tmp):
     """An SAT whose save_checkpoint no longer looks as verified: the patch is skipped with a warning."""
     import sat.training.model_io as model_io
@@ -184,6 +197,8 @@ CASES = [
     (qlora_without_bitsandbytes, "--use_qlora needs a working bitsandbytes", "lora_args_check"),
     (deepspeed_config_not_json, "ds.json' is not valid JSON: Expecting property name enclosed in double quotes at line 3",
      "deepspeed_config_json"),
+    (load_timeout_not_a_number, "SAT_PATCHES_LOAD_TIMEOUT='30min': set it to a positive number of seconds that "
+                                "loading may take, e.g. SAT_PATCHES_LOAD_TIMEOUT=1800", None),
     (sat_code_differs, "skipping patch 'atomic_checkpoint_save'", None),
 ]
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multirank
 PATCHES = ("build_models_on_device", "add_mixin_on_device", "reinit_on_device")
 
 
-def _scenarios():
+def _scenarios(device="meta"):
     import torch.nn as nn
     from sat.model.base_model import BaseMixin, get_model
     from sat.mpu import ColumnParallelLinear
@@ -37,7 +37,7 @@ def _scenarios():
 
     def args():
         a = el.build_args(el.config(), bf16=True)
-        a.device = "meta"  # get_model's final .to(args.device)
+        a.device = device  # get_model's final .to(args.device)
         return a
 
     def direct():
@@ -61,7 +61,7 @@ def _scenarios():
             "mixin_reinit": mixin_reinit}
 
 
-def construction_report():
+def construction_report(device="meta"):
     """{scenario: {"patched" or a restored patch's name: {"created"/"final": [(device, dtype)]}}}."""
     import torch
     import torch.distributed as dist
@@ -80,7 +80,7 @@ def construction_report():
                 created.add((param.device.type, str(param.dtype)))
         handle = torch.nn.modules.module.register_module_parameter_registration_hook(seen)
         try:
-            with devices.use_device("meta"):
+            with devices.use_device(device):
                 module = build()
         finally:
             handle.remove()
@@ -88,7 +88,7 @@ def construction_report():
         return {"created": sorted(created), "final": sorted(final)}
 
     report = {}
-    for scenario, build in _scenarios().items():
+    for scenario, build in _scenarios(device).items():
         report[scenario] = {"patched": kinds(build)}
         for name in PATCHES:
             patch = sat_patches.REGISTRY.get(name)
@@ -144,3 +144,12 @@ def test_build_on_keeps_explicit_accelerator_devices_and_integer_dtypes():
     assert ramp.device.type == "cpu" and ramp.dtype == torch.float32
     assert (inner.device.type, inner.dtype) == ("meta", torch.bfloat16)
     assert torch.empty(1).device.type == "cpu"  # outside: untouched
+
+
+@pytest.mark.gpu
+def test_every_parameter_on_the_gpu_in_run_dtype():
+    """The same scenarios with the policy's real CUDA device (GPU-only)."""
+    [r] = run_ranks(construction_report, 1, args=("cuda:0",), timeout=120)
+    assert r.ok, r.output[-3000:]
+    for scenario, when in WHEN.items():
+        assert r.result[scenario]["patched"][when] == [("cuda", "torch.bfloat16")], r.result[scenario]

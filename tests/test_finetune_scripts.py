@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 import pytest
+from report_png import assert_report_has_one_line_per_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"cogvlm": os.path.join(ROOT, "finetune_examples", "finetune_cogvlm.sh"),
@@ -69,26 +70,12 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
     work = tmp_path / "sat_patches_demo" / kind
     [run_dir] = list((work / "checkpoints").iterdir())
-    assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_01_optim_states.pt"]  # resumable
     assert os.listdir(work / "merged" / "1") == ["mp_rank_00_model_states.pt"]
     diff = float(re.search(r"max \|logit difference\| = ([0-9.e+-]+)", log).group(1))
     assert diff <= 1e-4
     assert re.search(r"merged model output for CAPTCHA '\w+': ", log)
     if kind == "cogvlm":
-        _report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")
-
-
-def _report_has_one_line_per_rank(run_dir, png):
-    """The demo's memory ledger (written into the run directory) drawn by `sat-patches report`."""
-    from PIL import Image
-    from sat_patches.cli import main
-    assert main(["report", str(run_dir), "--out", str(png)]) == 0
-    image = Image.open(png).convert("RGB")
-    assert image.size == (1000, 600)
-    pixels = list(image.getdata())
-
-    def count(hex_color, tolerance=30):
-        target = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
-        return sum(1 for p in pixels if all(abs(a - b) <= tolerance for a, b in zip(p, target)))
-    assert count("#1f77b4") > 500 and count("#ff7f0e") > 500  # rank 0 and rank 1 (matplotlib's first colours)
-    assert count("#2ca02c") == 0  # no third rank
+        assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")   # the demo's memory ledger

@@ -68,20 +68,9 @@ def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
 
 
 def test_report_draws_one_line_per_rank(tiny_run, tmp_path):
-    from PIL import Image
-    from sat_patches.cli import main
+    from report_png import assert_report_has_one_line_per_rank
     run_dir, _ = tiny_run
-    out = tmp_path / "ledger.png"
-    assert main(["report", run_dir, "--out", str(out)]) == 0
-    image = Image.open(out).convert("RGB")
-    assert image.size == (1000, 600)
-    pixels = list(image.getdata())
-
-    def count(hex_color, tolerance=30):
-        target = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
-        return sum(1 for p in pixels if all(abs(a - b) <= tolerance for a, b in zip(p, target)))
-    assert count("#1f77b4") > 500 and count("#ff7f0e") > 500   # matplotlib's first two line colours: rank 0, 1
-    assert count("#2ca02c") == 0                               # no third line
+    assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")
 
 
 def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):

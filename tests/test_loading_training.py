@@ -133,7 +133,9 @@ def test_mp2_saves_one_directory_and_resumes(tmp_path):
         assert got["node"] == ("ok", (2, 0)), got  # LOCAL_WORLD_SIZE corrected: both ranks on one node
         assert any("LOCAL_WORLD_SIZE=8 but this node runs 2 rank(s)" in w for w in got["warnings"]), got
         assert len(got["dirs"]) == 1, got  # one experiment directory despite the clocks
-        assert got["files"] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], got
+        assert got["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                                "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], got
         assert got["from_pretrained"] == ("ok", 0.0), got
         assert got["resume"][0] == "ok", got
         assert got["latest"] == "8" and got["dirs_after"] == got["dirs"], got

@@ -1,0 +1,27 @@
+"""The ``SAT_PATCHES_*`` environment settings that are numbers of seconds, read by one parser: a value
+that is not a number, not finite or out of range stops the run with a message that says what to set."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping, Optional
+
+
+def env_seconds(var: str, default: Optional[float] = None, zero_turns_off: bool = False,
+                what: str = "", environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """``var`` in seconds (from ``environ``, default ``os.environ``); ``default`` when unset or empty.
+    With ``zero_turns_off``, 0 gives None."""
+    raw = (os.environ if environ is None else environ).get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if zero_turns_off and value == 0:
+        return None
+    if not (math.isfinite(value) and value > 0):
+        example = f"{default:.0f}" if default else "1800"
+        raise ValueError(f"{var}={raw!r}: set it to a positive number of seconds{what}, e.g. {var}={example}"
+                         + (" (0 turns it off)" if zero_turns_off else " (or unset it for the default)"))
+    return value
