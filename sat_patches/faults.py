@@ -23,7 +23,8 @@ rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store eve
 answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main``
 marks itself done, so a normal end is not mistaken for a death. When a collective fails first
 (gloo notices a closed socket), the failing rank names a peer silent for 3 beats (``timeout / 10``
-each, at most 5 s) and exits; if none is silent it re-raises at once after that wait.
+each, at most 5 s) and exits; if none is silent it re-raises at once after that wait. Any other error
+of the rank's own (not a lost connection) is raised at once, without that wait.
 """
 from __future__ import annotations
 
@@ -245,6 +246,18 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     return _heartbeat
 
 
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "by peer", "nccl")
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
+    a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
+    import torch.distributed as dist
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return any(text in str(exc).lower() for text in _PEER_GONE)
+
+
 def _training_main(original):
     """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
     (issue 7 item 1; CogVLM 283/320 kill -9, "training stops with no clear error")."""
@@ -253,8 +266,8 @@ def _training_main(original):
         hb = start_heartbeat()
         try:
             result = original(args, *a, **kw)
-        except Exception:
-            if hb is not None:
+        except Exception as exc:
+            if hb is not None and _lost_peer(exc):
                 reason = hb.wait_for_dead()
                 if reason:
                     hb._fire(reason)

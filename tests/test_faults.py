@@ -88,6 +88,16 @@ def test_heartbeat_names_silent_peer_and_ignores_finished_one():
     silent.beat(), me.beat()
     assert other.dead() is None             # beating peers are alive
 
+def test_only_a_lost_connection_waits_to_name_a_dead_peer():
+    import torch.distributed as dist
+    from sat_patches.faults import _lost_peer
+    assert _lost_peer(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                   "[127.0.0.1]:4321"))
+    assert _lost_peer(dist.DistNetworkError("failed to recv, got 0 bytes"))
+    assert not _lost_peer(ValueError("image folder is empty"))
+    assert not _lost_peer(RuntimeError("No backend type associated with device type cpu"))
+
+
 if __name__ == "__main__":
     _kill_in_step_hook()
     from sat_patches.testing.tiny_lora import main
