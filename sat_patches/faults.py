@@ -246,7 +246,8 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     return _heartbeat
 
 
-_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "by peer", "nccl")
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "by peer", "nccl error", "ncclremoteerror",
+              "ncclsystemerror")
 
 
 def _lost_peer(exc: BaseException) -> bool:
