@@ -10,7 +10,7 @@ no longer resume from anything.
 
 Here every rank saves iteration N into ``<save>/.saving-<N>/`` (SAT's own code, unchanged, with
 ``args.save`` pointing there); all ranks meet; global rank 0 checks that staged directory with
-:func:`sat_patches.loading.find_checkpoint` (every MP shard present, none truncated), then ONE rename
+:func:`sat_patches.checkpoint_files.find_checkpoint` (every MP shard present, none truncated), then ONE rename
 makes ``<save>/<N>`` appear (an atomic exchange when ``<save>/<N>`` already exists, e.g. SAT's final
 save of the last interval's iteration), then ``model_config.json`` and last ``latest`` are replaced
 with ``os.replace`` of a fsynced temporary file. A crash at any point leaves ``latest`` naming the
@@ -82,7 +82,7 @@ def _exchange(a: str, b: str) -> bool:
 def publish(staged: str, save: str) -> None:
     """Move a staged save (``<N>`` directories, ``model_config.json``, ``latest``) into ``save``:
     each directory with one rename, then ``model_config.json``, then ``latest`` last."""
-    from .loading import find_checkpoint
+    from .checkpoint_files import find_checkpoint
     find_checkpoint(staged)  # every MP shard present and not truncated, else CheckpointError: keep the old one
     for entry in sorted(os.listdir(staged)):
         src, dst = os.path.join(staged, entry), os.path.join(save, entry)

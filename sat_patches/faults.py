@@ -58,7 +58,7 @@ def bitsandbytes_problem() -> Optional[str]:
 
 def _num_layers_of(from_pretrained: Optional[str]) -> Optional[int]:
     if from_pretrained and os.path.isdir(from_pretrained):
-        from .loading import read_model_config
+        from .checkpoint_files import read_model_config
         return int(read_model_config(from_pretrained)["num_layers"])
     return None
 

@@ -7,364 +7,38 @@ node's rank 0 build the full MP=1 model on CPU, load the whole checkpoint into i
 ``overwrite_args``; from an MP=N checkpoint to MP=N it raises "model_parallel_size is inconsistent"
 (CogVLM 233).
 
-Here:
+Here (this module: loading a state into a model, SAT's entry points and the patches):
 
-* Checkpoint files are opened with ``torch.load(mmap=True)``: nothing is read until a tensor is
-  copied, and each tensor is copied in chunks of at most :data:`CHUNK_BYTES`, converted to the
-  model's dtype on the way, straight into the parameter on its device; the pages of the mapped file
-  a chunk touched are released after it (``madvise(MADV_DONTNEED)``), so a rank's peak is its own
-  share of the model plus one chunk.
-* Any model-parallel size loads from any other: every rank reads only its own slice of each split
-  tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B via
-  :mod:`sat_patches.lora`) from the mapped shard files. Nothing is built in full and nothing is sent
-  between ranks. A split tensor this module cannot place stops the load with a message naming
-  :data:`MERGE_COMMAND`.
+* :mod:`sat_patches.checkpoint_files` checks the checkpoint directory and ``model_config.json``
+  before the model is built; :mod:`sat_patches.sharding` reads each rank's own slices, in chunks,
+  from the memory-mapped shard files, at any model-parallel size.
 * ``from_pretrained`` builds the model on meta (no memory, no init) and materialises it from the
   checkpoint by assignment; when the checkpoint cannot fill every tensor (new mixins), it builds on
   the compute device instead (initialised, as SAT does) and loads into it.
-* Bad input (missing/empty/truncated checkpoint directory, a ``model_config.json`` without the
-  fields SAT needs) stops with a message saying what to change, before the model is built.
-* Ranks meet behind a barrier with a timeout (``SAT_PATCHES_LOAD_TIMEOUT`` seconds, default 1800)
-  whose message names the stage each late rank is at.
-* ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node (SAT's node groups are
-  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box) and ``experiment_name`` is decided on rank 0
-  (CogVLM 269: per-rank timestamps split one run's checkpoints across directories).
+* Ranks meet behind :mod:`sat_patches.coordination`'s barriers, which have a timeout;
+  ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node and ``experiment_name``
+  is decided on rank 0 (CogVLM 269: per-rank timestamps split one run's checkpoints across directories).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
-import ctypes
-import datetime
 import functools
-import json
-import mmap
 import os
-import re
-import socket
 import sys
-import time
 import warnings
-import zipfile
-from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import construction, devices
 from ._registry import Patch, SatPatchesWarning, expect_names, expect_params
-from .settings import env_seconds
-
-CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LOAD_CHUNK_MB", "64")) * 2**20)
-"""Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
-MERGE_COMMAND = "python -m sat_patches.merge"
-REQUIRED_CONFIG = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or ``model_config.json`` that cannot be loaded; says what to change."""
-
-
-class LoadTimeout(RuntimeError):
-    """Other ranks did not reach a loading barrier in time; names the stage they are at."""
-
-
-def load_timeout() -> float:
-    return env_seconds("SAT_PATCHES_LOAD_TIMEOUT", 1800.0, what=" that loading may take")
-
-
-# --------------------------------------------------------------------------------------
-# Checkpoint directories
-# --------------------------------------------------------------------------------------
-
-_SHARD = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-
-
-@dataclass
-class Checkpoint:
-    """One iteration of a SAT checkpoint directory: ``files[i]`` is model-parallel shard ``i``."""
-    path: str
-    iteration: int
-    release: bool
-    files: List[str]
-
-    @property
-    def mp_size(self) -> int:
-        return len(self.files)
-
-    def open(self, shard: int) -> dict:
-        """The shard's saved dict, memory-mapped: tensors are read only when used. (Unpickled in full,
-        as SAT does: SAT/DeepSpeed checkpoints hold numpy RNG states that weights_only=True refuses.)"""
-        try:
-            return torch.load(self.files[shard], map_location="cpu", mmap=True, weights_only=False)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read checkpoint file '{self.files[shard]}' ({exc}): it is "
-                                  f"damaged or incomplete; copy or download it again") from exc
-
-
-def find_checkpoint(load_path: str, specific_iteration: Optional[int] = None) -> Checkpoint:
-    """Check a SAT checkpoint directory without reading any weights; raise :class:`CheckpointError`."""
-    if not load_path or not os.path.isdir(load_path):
-        raise CheckpointError(f"checkpoint directory '{load_path}' does not exist: pass the directory "
-                              f"that holds 'latest' and model_config.json (--load, or from_pretrained's name)")
-    entries = sorted(os.listdir(load_path))
-    if not entries:
-        raise CheckpointError(f"checkpoint directory '{load_path}' is empty: the download or copy did not "
-                              f"finish, or the path points at the wrong directory")
-    if specific_iteration is not None:
-        iteration, release = int(specific_iteration), False
-    else:
-        iteration, release = _read_latest(load_path, entries)
-    folder = os.path.join(load_path, "release" if release else str(iteration))
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"'{load_path}' has no directory '{os.path.basename(folder)}' for iteration "
-                              f"{'release' if release else iteration} (from 'latest' or specific_iteration): "
-                              f"fix 'latest' or restore that directory")
-    shards = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder) if (m := _SHARD.match(f))}
-    if not shards:
-        raise CheckpointError(f"'{folder}' holds no mp_rank_XX_model_states.pt (it has: "
-                              f"{', '.join(sorted(os.listdir(folder))) or 'nothing'}): the checkpoint is "
-                              f"incomplete, or was saved under ZeRO-3 (z3_rank_* files)")
-    missing = sorted(set(range(max(shards) + 1)) - set(shards))
-    if missing:
-        raise CheckpointError(f"'{folder}' lacks model-parallel shard(s) {missing} of {max(shards) + 1}: "
-                              f"copy the missing mp_rank_XX_model_states.pt files")
-    files = [shards[i] for i in range(len(shards))]
-    for f in files:
-        size = os.path.getsize(f)
-        if size == 0 or not zipfile.is_zipfile(f):
-            raise CheckpointError(f"'{f}' is truncated or not a torch checkpoint ({size} bytes, no zip "
-                                  f"directory at its end): copy or download it again")
-    return Checkpoint(load_path, iteration, release, files)
-
-
-def _read_latest(load_path: str, entries: List[str]) -> Tuple[int, bool]:
-    tracker = os.path.join(load_path, "latest")
-    if not os.path.isfile(tracker):
-        numbered = [e for e in entries if e.isdigit()]
-        hint = f" e.g. `echo {max(numbered, key=int)} > {tracker}`" if numbered else ""
-        raise CheckpointError(f"'{load_path}' has no 'latest' file naming the iteration to load: write "
-                              f"it{hint}, or pass specific_iteration")
-    with open(tracker) as f:
-        text = f.read().strip()
-    if text == "release":
-        return 0, True
-    if text.isdigit() and int(text) > 0:
-        return int(text), False
-    raise CheckpointError(f"'{tracker}' says {text!r}: it must hold an iteration number > 0 or 'release'")
-
-
-def read_model_config(model_path: str, need_class: bool = False) -> dict:
-    """``model_config.json`` of a checkpoint, checked for the fields SAT builds a model from."""
-    path = os.path.join(model_path, "model_config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"'{path}' not found: from_pretrained builds the model from it (SAT's "
-                              f"save_checkpoint writes it next to 'latest'); copy it from the model's source")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as exc:
-        raise CheckpointError(f"'{path}' is not valid JSON ({exc}): fix or re-create it") from exc
-    need = REQUIRED_CONFIG + (("model_class",) if need_class else ())
-    missing = [k for k in need if k not in config]
-    if missing:
-        example = '"hidden_size": 4096' + (', "model_class": "CogVLMModel"' if "model_class" in missing else "")
-        raise CheckpointError(f"'{path}' lacks {', '.join(missing)}: add them with the values the checkpoint "
-                              f"was trained with (e.g. {example})")
-    return config
-
-
-# --------------------------------------------------------------------------------------
-# How tensors are split across model-parallel ranks
-# --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Split:
-    """A tensor split along ``dim``; ``blocks`` are the relative sizes of stacked parts that are each
-    split evenly (ColumnParallel ``stride``: Q, K, V of a fused QKV), ``(1,)`` for a plain split."""
-    dim: int
-    blocks: Tuple[int, ...] = (1,)
-
-
-REPLICATED = None
-SplitRule = Callable[[torch.nn.Module, str, str], Optional[Split]]
-_split_rules: List[SplitRule] = []
-
-
-def register_split_rule(rule: SplitRule) -> SplitRule:
-    """Teach the loader a split: ``rule(model, key, name)`` returns a :class:`Split`, ``"replicated"``
-    or None (not mine). ``key`` is the state-dict key, ``name`` the tensor's attribute name."""
-    _split_rules.append(rule)
-    return rule
-
-
-def _strides(stride) -> Tuple[int, ...]:
-    return (1,) * stride if isinstance(stride, int) else tuple(stride)
-
-
-def split_of(model: torch.nn.Module, key: str, owner: torch.nn.Module, name: str):
-    """The :class:`Split` of ``owner.<name>`` (state-dict ``key``), or None when every rank holds it whole."""
-    for rule in _split_rules:
-        found = rule(model, key, name)
-        if found is not None:
-            return None if found == "replicated" else found
-    from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    if isinstance(owner, ColumnParallelLinear) and name in ("weight", "bias"):
-        return Split(0, _strides(owner.stride))
-    if isinstance(owner, RowParallelLinear) and name == "weight":
-        return Split(1)
-    if isinstance(owner, VocabParallelEmbedding) and name == "weight":
-        return Split(0)
-    return None
-
-
-@register_split_rule
-def _lora_rule(model, key, name):
-    """LoRA ``matrix_A.i``/``matrix_B.i``: the layouts of :mod:`sat_patches.lora` (its
-    ``split_lora_state_dict`` splits checkpoints the same way)."""
-    if ".matrix_A." not in key and ".matrix_B." not in key:
-        return None
-    lora = sys.modules.get("sat_patches.lora")
-    if lora is None:
-        return None
-    layer = model.get_submodule(key.rsplit(".matrix_", 1)[0])
-    kind = getattr(layer, "kind", None) or lora.parallel_kind(layer.original)
-    if ".matrix_A." in key:
-        return Split(1) if kind == lora.ROW else "replicated"
-    return Split(0) if kind == lora.COLUMN else "replicated"
-
-
-def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> List[Tuple[int, int, int, int]]:
-    """Rank ``rank`` of ``n_dst``'s slice of a tensor stored as ``n_src`` shards of ``src_len`` along
-    the split dim: ``(dst_start, shard, src_start, length)`` pieces."""
-    unit, rest = divmod(src_len, sum(split.blocks))
-    if rest:
-        raise ValueError(f"{src_len} does not split into blocks {split.blocks}")
-    pieces, dst = [], 0
-    src_offset = 0
-    for b in split.blocks:
-        per_shard = unit * b
-        full = per_shard * n_src
-        if full % n_dst:
-            raise ValueError(f"a block of {full} does not split over {n_dst} ranks")
-        want = full // n_dst
-        x, end = rank * want, (rank + 1) * want
-        while x < end:
-            shard, local = divmod(x, per_shard)
-            n = min(per_shard - local, end - x)
-            pieces.append((dst, shard, src_offset + local, n))
-            dst, x = dst + n, x + n
-        src_offset += per_shard
-    return pieces
-
-
-# --------------------------------------------------------------------------------------
-# Copying out of mapped files
-# --------------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_MADV_DONTNEED = 4
-
-
-def release_pages(view: torch.Tensor) -> None:
-    """Drop the pages of a memory-mapped checkpoint that ``view`` spans from this process's RSS (they
-    are clean file pages: touched again, they are read again). Only for tensors of a mapped file."""
-    if _libc is None or view.numel() == 0:
-        return
-    extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
-    start, end = view.data_ptr(), view.data_ptr() + extent * view.element_size()
-    page = mmap.PAGESIZE
-    start, end = start // page * page, -(-end // page) * page
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, mapped: bool) -> None:
-    """``dst.copy_(src)`` in chunks along dim 0, releasing each chunk's mapped pages."""
-    if src.dim() == 0 or src.numel() == 0:
-        dst.copy_(src)
-        return
-    row = max(1, src[0].numel() * src.element_size())
-    step = max(1, CHUNK_BYTES // row)
-    for i in range(0, src.shape[0], step):
-        chunk = src[i:i + step]
-        dst[i:i + step].copy_(chunk)
-        if mapped:
-            release_pages(chunk)
-
-
-class ShardedSource:
-    """The ``module`` state dicts of a checkpoint's shards, mapped, as seen by one model-parallel rank."""
-
-    def __init__(self, ckpt: Checkpoint, prefix: str = "", mp_rank: int = 0, mp_size: int = 1):
-        self.ckpt, self.rank, self.size = ckpt, mp_rank, mp_size
-        self.saved = [ckpt.open(i) for i in range(ckpt.mp_size)]
-        for i, sd in enumerate(self.saved):
-            if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
-                raise CheckpointError(f"'{ckpt.files[i]}' has no 'module' state dict: not a SAT checkpoint")
-        self.state = [{k[len(prefix):]: v for k, v in sd["module"].items() if k.startswith(prefix)}
-                      for sd in self.saved]
-        self.used: set = set()
-        self.mapped_storages = {t.untyped_storage().data_ptr() for sd in self.state for t in sd.values()
-                                if isinstance(t, torch.Tensor)}
-
-    @property
-    def own(self) -> dict:
-        """This rank's saved dict when the MP sizes match, else shard 0 (iteration, RNG states)."""
-        return self.saved[self.rank if self.ckpt.mp_size == self.size else 0]
-
-    def keys(self):
-        return self.state[0].keys()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.state[0]
-
-    def pieces(self, key: str, like: torch.Tensor, split) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(destination index view of like-shaped tensor, source view)`` pairs for this rank."""
-        self.used.add(key)
-        n_src = self.ckpt.mp_size
-        srcs = [sd[key] for sd in self.state]
-        if split is None:
-            src = srcs[self.rank if n_src == self.size else 0]
-            self._check(key, src.shape == like.shape, src, like, split)
-            return [((), src)]
-        d = split.dim
-        same = all(s.shape[:d] + s.shape[d + 1:] == like.shape[:d] + like.shape[d + 1:] for s in srcs)
-        self._check(key, same and srcs[0].shape[d] * n_src == like.shape[d] * self.size, srcs[0], like, split)
-        out = []
-        for dst, shard, start, n in _pieces(split, srcs[0].shape[d], n_src, self.size, self.rank):
-            index = (slice(None),) * d + (slice(dst, dst + n),)
-            out.append((index, srcs[shard].narrow(d, start, n)))
-        return out
-
-    def _check(self, key, ok, src, like, split):
-        if ok:
-            return
-        if split is None and self.ckpt.mp_size != self.size:
-            raise CheckpointError(
-                f"'{key}' is {tuple(src.shape)} in the MP={self.ckpt.mp_size} checkpoint but "
-                f"{tuple(like.shape)} at MP={self.size}, and sat_patches does not know how it is split: "
-                f"merge the checkpoint to MP=1 first ({MERGE_COMMAND}), or load at MP={self.ckpt.mp_size}")
-        raise CheckpointError(f"size mismatch for '{key}': {tuple(src.shape)} per shard in "
-                              f"'{self.ckpt.path}' (MP={self.ckpt.mp_size}), {tuple(like.shape)} in the model "
-                              f"at MP={self.size}: model_config.json and the checkpoint disagree")
-
-    def copy_into(self, key: str, dst: torch.Tensor, split) -> None:
-        with torch.no_grad():
-            for index, src in self.pieces(key, dst, split):
-                _copy(dst[index], src, mapped=True)
-
-    def assembled(self, key: str, like: torch.Tensor, split) -> torch.Tensor:
-        """This rank's slice as one CPU tensor (a view of the mapped file when it is one piece)."""
-        parts = self.pieces(key, like, split)
-        if len(parts) == 1 and parts[0][0] == ():
-            return parts[0][1]
-        out = torch.empty(like.shape, dtype=parts[0][1].dtype)
-        for index, src in parts:
-            out[index].copy_(src)
-        return out
+from .checkpoint_files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
+from .coordination import _SharedStart, _store, barrier, check_local_world_size, stage, store_gather
+from .sharding import ShardedSource, release_pages, split_of
 
 
 # --------------------------------------------------------------------------------------
@@ -516,6 +190,20 @@ def open_source(ckpt: Checkpoint, prefix: str = "") -> ShardedSource:
 # --------------------------------------------------------------------------------------
 # SAT entry points
 # --------------------------------------------------------------------------------------
+
+_all_ranks_load = False  # True inside training_main: every rank calls load_checkpoint
+
+
+@contextlib.contextmanager
+def all_ranks_loading():
+    """Inside the block every rank calls ``load_checkpoint`` (SAT's ``training_main``)."""
+    global _all_ranks_load
+    previous, _all_ranks_load = _all_ranks_load, True
+    try:
+        yield
+    finally:
+        _all_ranks_load = previous
+
 
 def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=None, *,
                     source: Optional[ShardedSource] = None, all_ranks: Optional[bool] = None):
@@ -687,151 +375,6 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
     if new_mp is not None and (new_mp != 1 or caller_mp == 1):
         reset_random_seed(6)  # as SAT's model-parallel branch does after splitting
     return model, args
-
-
-# --------------------------------------------------------------------------------------
-# Coordination: stages, barriers with a timeout, LOCAL_WORLD_SIZE, experiment_name
-# --------------------------------------------------------------------------------------
-
-_barriers = 0
-_all_ranks_load = False  # True inside training_main: every rank calls load_checkpoint
-
-
-@contextlib.contextmanager
-def all_ranks_loading():
-    """Inside the block every rank calls ``load_checkpoint`` (SAT's ``training_main``)."""
-    global _all_ranks_load
-    previous, _all_ranks_load = _all_ranks_load, True
-    try:
-        yield
-    finally:
-        _all_ranks_load = previous
-
-
-def _store():
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-@contextlib.contextmanager
-def stage(name: str):
-    """Announce what this rank is doing (``with stage("reading ...")``) so that a rank waiting at a
-    :func:`barrier` can say where the late ones are."""
-    store = _store()
-    if store is not None:
-        store.set(f"sat_patches/stage/{dist.get_rank()}", f"{time.time()}|{name}")
-    yield
-
-
-def barrier(name: str, timeout: Optional[float] = None) -> None:
-    """Wait until every rank reached this point, at most ``timeout`` seconds (default
-    ``SAT_PATCHES_LOAD_TIMEOUT``); then raise :class:`LoadTimeout` naming each late rank's stage."""
-    global _barriers
-    store = _store()
-    if store is None:
-        return
-    timeout = load_timeout() if timeout is None else timeout
-    _barriers += 1
-    me, world = dist.get_rank(), dist.get_world_size()
-    key = f"sat_patches/barrier/{_barriers}/"
-    with stage(f"waiting at '{name}'"):
-        store.set(key + str(me), "1")
-    _wait(store, [key + str(r) for r in range(world)], timeout, name)
-    store.set(key + f"left/{me}", "1")
-    if me == 0:  # rank 0 usually hosts the store: it leaves last, so no rank loses the store while waiting
-        _wait(store, [key + f"left/{r}" for r in range(world)], timeout, name)
-
-
-def _wait(store, keys: List[str], timeout: float, name: str) -> None:
-    me = dist.get_rank()
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except dist.DistNetworkError as exc:
-        raise RuntimeError(f"rank {me} lost the process group's store at '{name}': the rank that hosts it "
-                           f"(usually rank 0) exited or crashed; see that rank's log") from exc
-    except (dist.DistError, RuntimeError) as exc:
-        late = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise LoadTimeout(f"rank {me} waited {timeout:.0f} s at '{name}' for rank(s) {late}: "
-                          + "; ".join(_stage_of(store, r) for r in late)
-                          + f". Look at those ranks (hung, or slower storage), or raise SAT_PATCHES_LOAD_TIMEOUT "
-                            f"(now {timeout:.0f} s).") from exc
-
-
-def _stage_of(store, rank: int) -> str:
-    key = f"sat_patches/stage/{rank}"
-    if not store.check([key]):
-        return f"rank {rank} has not started loading"
-    since, _, what = store.get(key).decode().partition("|")
-    return f"rank {rank} is at stage '{what}' for {time.time() - float(since):.0f} s"
-
-
-def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
-    """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
-    so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
-    store = _store()
-    if store is None:
-        return [value]
-    key = f"sat_patches/{name}/"
-    store.set(key + str(dist.get_rank()), value)
-    keys = [key + str(r) for r in range(dist.get_world_size())]
-    store.wait(keys, datetime.timedelta(seconds=load_timeout() if timeout is None else timeout))
-    return [store.get(k).decode() for k in keys]
-
-
-_node_ranks: Dict[Tuple[int, int], List[int]] = {}
-
-
-def node_ranks() -> List[int]:
-    """Global ranks on this rank's node (same host and launcher node rank), from every rank."""
-    me = (dist.get_rank(), dist.get_world_size())
-    if me not in _node_ranks:
-        node = "|".join((socket.gethostname(), os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK")
-                         or os.environ.get("NODE_RANK") or ""))
-        nodes = store_gather("node", node)
-        _node_ranks[me] = [r for r, n in enumerate(nodes) if n == node]
-    return _node_ranks[me]
-
-
-def check_local_world_size() -> Optional[int]:
-    """Set ``LOCAL_WORLD_SIZE`` to the number of ranks really on this node, with a warning when the
-    environment says otherwise (SAT builds its node groups from it). Returns the size it checked."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    ranks = node_ranks()
-    real, said = len(ranks), os.environ.get("LOCAL_WORLD_SIZE")
-    world = dist.get_world_size()
-    contiguous = ranks == list(range(ranks[0], ranks[0] + real)) and ranks[0] % real == 0 and world % real == 0
-    if not contiguous:
-        warnings.warn(f"ranks {ranks} share this node: SAT's node groups assume consecutive blocks of "
-                      f"LOCAL_WORLD_SIZE ranks per node; leaving LOCAL_WORLD_SIZE={said}", SatPatchesWarning)
-        return None
-    if said is None:  # SAT would guess min(world size, 8)
-        os.environ["LOCAL_WORLD_SIZE"] = str(real)
-    elif said != str(real):
-        warnings.warn(f"LOCAL_WORLD_SIZE={said} but this node runs {real} rank(s) {ranks} (a launcher "
-                      f"environment such as CogVLM's .deepspeed_env sets it): using LOCAL_WORLD_SIZE={real} "
-                      f"for SAT's node groups", SatPatchesWarning)
-        os.environ["LOCAL_WORLD_SIZE"] = str(real)
-    return real
-
-
-class _SharedStart:
-    """Stands in for ``datetime`` in SAT's training module until its first ``now()`` (the
-    ``experiment_name`` timestamp), which returns rank 0's time; then puts ``datetime`` back."""
-
-    def __init__(self, module, real, shared):
-        self._module, self._real, self._shared = module, real, shared
-
-    def now(self, tz=None):
-        self._module.datetime = self._real
-        return self._shared
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 # --------------------------------------------------------------------------------------

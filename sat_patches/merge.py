@@ -125,13 +125,13 @@ def write_checkpoint(model, config: dict, out_dir: str, overwrite: bool) -> None
 
 def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
           imports=()) -> dict:
-    from . import construction, loading
+    from . import checkpoint_files, construction, coordination, loading, sharding
     if os.path.exists(out_dir) and not overwrite:
         raise SystemExit(f"error: {out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
-    ckpt = loading.find_checkpoint(checkpoint, iteration)
-    config = loading.read_model_config(checkpoint, need_class=True)
-    with loading.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
-        source = loading.ShardedSource(ckpt)
+    ckpt = checkpoint_files.find_checkpoint(checkpoint, iteration)
+    config = checkpoint_files.read_model_config(checkpoint, need_class=True)
+    with coordination.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
+        source = sharding.ShardedSource(ckpt)
     state = source.state[0]
     cls, args = build_args(config, _checkpoint_dtype(state), imports)
     from sat.arguments import _simple_init
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="module that registers the checkpoint's model_class (e.g. utils.models)")
     a = p.parse_args(argv)
-    from .loading import CheckpointError
+    from .checkpoint_files import CheckpointError
     try:
         info = merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite, a.imports)
     except CheckpointError as exc:

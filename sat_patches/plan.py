@@ -74,7 +74,7 @@ DEMO_MAX_LENGTH = {490: 1288, 224: 400}
 HOST_BASE_CPU = 0.50 * GiB     # python + torch + SAT + DeepSpeed + gloo, one CPU rank (ledger, 2 ranks)
 HOST_BASE_CUDA = 3.0 * GiB     # the same process with CUDA libraries loaded
 GPU_RUNTIME = 1.0 * GiB        # CUDA context, NCCL buffers, allocator slack
-LOAD_CHUNK = 64 * 2 ** 20      # loading.CHUNK_BYTES: the mapped checkpoint is copied in pieces of this size
+LOAD_CHUNK = 64 * 2 ** 20      # sharding.CHUNK_BYTES: the mapped checkpoint is copied in pieces of this size
 GPU_MARGIN = 0.05              # keep this fraction of the card free
 HOST_MARGIN = 0.10
 

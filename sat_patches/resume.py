@@ -64,7 +64,7 @@ def _model_states(args) -> Optional[dict]:
     once per resume: weights are not read); None (with a warning) when the checkpoint has another
     model-parallel size than this run."""
     from sat import mpu
-    from .loading import find_checkpoint
+    from .checkpoint_files import find_checkpoint
     key = (args.load, int(args.iteration))
     if key not in _opened:
         _opened.clear()

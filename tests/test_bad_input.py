@@ -148,7 +148,7 @@ def deepspeed_config_not_json(tmp):
 
 
 def load_timeout_not_a_number(tmp):
-    from sat_patches.loading import load_timeout
+    from sat_patches.coordination import load_timeout
     saved = os.environ.get("SAT_PATCHES_LOAD_TIMEOUT")
     os.environ["SAT_PATCHES_LOAD_TIMEOUT"] = "30min"
     try:

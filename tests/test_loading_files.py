@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sat_patches import loading
-from sat_patches.loading import Checkpoint, CheckpointError, ShardedSource, Split
+from sat_patches.loading import Checkpoint, CheckpointError, ShardedSource
+from sat_patches.sharding import Split
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
