@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from _memory import proc_status_bytes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -35,14 +37,6 @@ FULL = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=3
 SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=4096, inner_hidden_size=512,
              num_vision_layers=1)
 TARGETS = {1: 1.1, 2: 0.6}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def save(path: str, cfg: dict) -> int:
@@ -74,11 +68,11 @@ def measure(path: str, mp: int, stock: bool) -> dict:
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
-    baseline = _status("VmRSS")
+    baseline = proc_status_bytes("VmRSS")
     start = time.perf_counter()
     model, _ = cls.from_pretrained(path, args, overwrite_args=overwrite)
     elapsed = time.perf_counter() - start
-    peak = _status("VmHWM")
+    peak = proc_status_bytes("VmHWM")
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     dist.barrier()

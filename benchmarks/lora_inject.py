@@ -26,17 +26,11 @@ import subprocess
 import sys
 import time
 
+from _memory import proc_status_bytes
+
 FULL = dict(num_layers=4, hidden_size=4096, num_attention_heads=32, inner_hidden_size=11008, vocab_size=32000)
 SMALL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, inner_hidden_size=512, vocab_size=1024)
 MiB = 2 ** 20
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _settle() -> int:
@@ -45,7 +39,7 @@ def _settle() -> int:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return proc_status_bytes("VmRSS")
 
 
 def _measure(step) -> dict:
@@ -53,7 +47,7 @@ def _measure(step) -> dict:
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_extra": _status("VmHWM") - before, "after_extra": _status("VmRSS") - before}
+    return {"seconds": seconds, "peak_extra": proc_status_bytes("VmHWM") - before, "after_extra": proc_status_bytes("VmRSS") - before}
 
 
 def build(cfg: dict):

@@ -1,0 +1,11 @@
+"""Read this process's memory counters from /proc (Linux), exact to the kB: both benchmarks use it.
+(Not sat_patches.ledger.host_memory: importing sat_patches would patch the stock variant.)"""
+
+
+def proc_status_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
