@@ -199,7 +199,7 @@ def _save_checkpoint(original):
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
         from sat.helpers import check_if_zero3
-        if getattr(args, "save", None) and hasattr(model, "_save_zero_checkpoint") and not check_if_zero3(args):
+        if getattr(args, "save", None) and not check_if_zero3(args):
             save_optimizer_states(model, args.save, iteration)  # before SAT's closing barrier
         return original(iteration, model, optimizer, lr_scheduler, args)
     return save_checkpoint
