@@ -18,7 +18,7 @@ def kernel_path():
     spec = importlib.util.find_spec("sat_patches")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return os.path.join(list(spec.submodule_search_locations)[0], "rotary_kernel.py")
+    return os.path.join(list(spec.submodule_search_locations)[0], "patches", "rotary_kernel.py")
 
 
 def wanted() -> bool:

@@ -1,5 +1,5 @@
 """Read this process's memory counters from /proc (Linux), exact to the kB: both benchmarks use it.
-(Not sat_patches.ledger.host_memory: importing sat_patches would patch the stock variant.)"""
+(Not sat_patches.patches.ledger.host_memory: importing sat_patches would patch the stock variant.)"""
 
 
 def proc_status_bytes(field: str) -> int:

@@ -9,4 +9,4 @@
 # Without a GPU it trains a tiny CogAgent (with its high-resolution cross branch) on 2 CPU ranks at
 # MP_SIZE=2, merges LoRA and shards to MP=1, reloads it and prints its answer.
 export MODEL_KIND=cogagent
-SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.finetune_run "$@"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"

@@ -11,4 +11,4 @@
 # LoRA and the model-parallel shards into one MP=1 checkpoint, reloads it and prints its answer.
 # Example, 2 GPUs with model parallelism:  NUM_GPUS_PER_WORKER=2 MP_SIZE=2 bash finetune_cogvlm.sh
 export MODEL_KIND=cogvlm
-SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.finetune_run "$@"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"

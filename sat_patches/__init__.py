@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from typing import Iterable, List
 
-from ._registry import REGISTRY, Patch, SatPatchesWarning
-from . import devices, distributed, deepspeed_setup, rotary, lora, construction, loading
-from . import hangs, ledger
-from . import checkpointing, faults, preprocess, resume
+from .core.registry import REGISTRY, Patch, SatPatchesWarning
+from .patches import PATCHES
 
 __version__ = "0.1.0"
 
-# Order matters: the rotary module substitute must be in place before anything imports sat; on a shared
-# target later patches wrap earlier ones (resume's optimizer save runs inside the atomic save's staging).
-REGISTRY.add(*rotary.PATCHES, *devices.PATCHES, *faults.PATCHES, *distributed.PATCHES, *deepspeed_setup.PATCHES, *lora.PATCHES, *ledger.BENEATH, *construction.PATCHES, *loading.PATCHES, *ledger.PATCHES, *hangs.PATCHES, *resume.PATCHES, *checkpointing.PATCHES, *preprocess.PATCHES)
+REGISTRY.add(*PATCHES)  # in the order sat_patches.patches gives, innermost first
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:

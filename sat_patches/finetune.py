@@ -135,7 +135,7 @@ def train(argv) -> int:
     from .cogvlm import data_collator, llama2_tokenizer, model_class_for
     kind = _kind_of(argv)
     known, rest = demo_parser(kind).parse_known_args(argv)
-    from .faults import check_finetune_args
+    from .patches.faults import check_finetune_args
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built
     args = get_args(rest)
     args = argparse.Namespace(**vars(args), **vars(known))

@@ -125,7 +125,9 @@ def write_checkpoint(model, config: dict, out_dir: str, overwrite: bool) -> None
 
 def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
           imports=()) -> dict:
-    from . import checkpoint_files, construction, coordination, loading, sharding
+    from .checkpoints import checkpoint_files, sharding
+    from .patches import construction, loading
+    from .core import coordination
     if os.path.exists(out_dir) and not overwrite:
         raise SystemExit(f"error: {out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
     ckpt = checkpoint_files.find_checkpoint(checkpoint, iteration)
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="module that registers the checkpoint's model_class (e.g. utils.models)")
     a = p.parse_args(argv)
-    from .checkpoint_files import CheckpointError
+    from .checkpoints.files import CheckpointError
     try:
         info = merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite, a.imports)
     except CheckpointError as exc:

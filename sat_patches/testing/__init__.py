@@ -11,7 +11,7 @@ import contextlib
 def patches_removed(*names):
     """Inside the block the named patches (all when none named) are undone; re-applied after."""
     import sat_patches
-    from sat_patches._registry import REGISTRY
+    from sat_patches.core.registry import REGISTRY
     if names:
         REGISTRY.restore(names)
     else:

@@ -1,0 +1,219 @@
+"""How checkpoint tensors are split across model-parallel ranks, and copied out of mapped shard files.
+
+* Checkpoint files are opened with ``torch.load(mmap=True)``: nothing is read until a tensor is
+  copied, and each tensor is copied in chunks of at most :data:`CHUNK_BYTES`, converted to the
+  model's dtype on the way, straight into the parameter on its device; the pages of the mapped file
+  a chunk touched are released after it (``madvise(MADV_DONTNEED)``), so a rank's peak is its own
+  share of the model plus one chunk.
+* Any model-parallel size loads from any other: every rank reads only its own slice of each split
+  tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B via
+  :mod:`sat_patches.patches.lora`) from the mapped shard files. Nothing is built in full and nothing is sent
+  between ranks. A split tensor this module cannot place stops the load with a message naming
+  :data:`MERGE_COMMAND`.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from .files import Checkpoint, CheckpointError
+
+CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LOAD_CHUNK_MB", "64")) * 2**20)
+"""Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
+MERGE_COMMAND = "python -m sat_patches.merge"
+
+
+# --------------------------------------------------------------------------------------
+# How tensors are split across model-parallel ranks
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """A tensor split along ``dim``; ``blocks`` are the relative sizes of stacked parts that are each
+    split evenly (ColumnParallel ``stride``: Q, K, V of a fused QKV), ``(1,)`` for a plain split."""
+    dim: int
+    blocks: Tuple[int, ...] = (1,)
+
+
+REPLICATED = None
+SplitRule = Callable[[torch.nn.Module, str, str], Optional[Split]]
+_split_rules: List[SplitRule] = []
+
+
+def register_split_rule(rule: SplitRule) -> SplitRule:
+    """Teach the loader a split: ``rule(model, key, name)`` returns a :class:`Split`, ``"replicated"``
+    or None (not mine). ``key`` is the state-dict key, ``name`` the tensor's attribute name."""
+    _split_rules.append(rule)
+    return rule
+
+
+def _strides(stride) -> Tuple[int, ...]:
+    return (1,) * stride if isinstance(stride, int) else tuple(stride)
+
+
+def split_of(model: torch.nn.Module, key: str, owner: torch.nn.Module, name: str):
+    """The :class:`Split` of ``owner.<name>`` (state-dict ``key``), or None when every rank holds it whole."""
+    for rule in _split_rules:
+        found = rule(model, key, name)
+        if found is not None:
+            return None if found == "replicated" else found
+    from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    if isinstance(owner, ColumnParallelLinear) and name in ("weight", "bias"):
+        return Split(0, _strides(owner.stride))
+    if isinstance(owner, RowParallelLinear) and name == "weight":
+        return Split(1)
+    if isinstance(owner, VocabParallelEmbedding) and name == "weight":
+        return Split(0)
+    return None
+
+
+@register_split_rule
+def _lora_rule(model, key, name):
+    """LoRA ``matrix_A.i``/``matrix_B.i``: the layouts of :mod:`sat_patches.patches.lora` (its
+    ``split_lora_state_dict`` splits checkpoints the same way)."""
+    if ".matrix_A." not in key and ".matrix_B." not in key:
+        return None
+    lora = sys.modules.get("sat_patches.patches.lora")
+    if lora is None:
+        return None
+    layer = model.get_submodule(key.rsplit(".matrix_", 1)[0])
+    kind = getattr(layer, "kind", None) or lora.parallel_kind(layer.original)
+    if ".matrix_A." in key:
+        return Split(1) if kind == lora.ROW else "replicated"
+    return Split(0) if kind == lora.COLUMN else "replicated"
+
+
+def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> List[Tuple[int, int, int, int]]:
+    """Rank ``rank`` of ``n_dst``'s slice of a tensor stored as ``n_src`` shards of ``src_len`` along
+    the split dim: ``(dst_start, shard, src_start, length)`` pieces."""
+    unit, rest = divmod(src_len, sum(split.blocks))
+    if rest:
+        raise ValueError(f"{src_len} does not split into blocks {split.blocks}")
+    pieces, dst = [], 0
+    src_offset = 0
+    for b in split.blocks:
+        per_shard = unit * b
+        full = per_shard * n_src
+        if full % n_dst:
+            raise ValueError(f"a block of {full} does not split over {n_dst} ranks")
+        want = full // n_dst
+        x, end = rank * want, (rank + 1) * want
+        while x < end:
+            shard, local = divmod(x, per_shard)
+            n = min(per_shard - local, end - x)
+            pieces.append((dst, shard, src_offset + local, n))
+            dst, x = dst + n, x + n
+        src_offset += per_shard
+    return pieces
+
+
+# --------------------------------------------------------------------------------------
+# Copying out of mapped files
+# --------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_MADV_DONTNEED = 4
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages of a memory-mapped checkpoint that ``view`` spans from this process's RSS (they
+    are clean file pages: touched again, they are read again). Only for tensors of a mapped file."""
+    if _libc is None or view.numel() == 0:
+        return
+    extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
+    start, end = view.data_ptr(), view.data_ptr() + extent * view.element_size()
+    page = mmap.PAGESIZE
+    start, end = start // page * page, -(-end // page) * page
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, mapped: bool) -> None:
+    """``dst.copy_(src)`` in chunks along dim 0, releasing each chunk's mapped pages."""
+    if src.dim() == 0 or src.numel() == 0:
+        dst.copy_(src)
+        return
+    row = max(1, src[0].numel() * src.element_size())
+    step = max(1, CHUNK_BYTES // row)
+    for i in range(0, src.shape[0], step):
+        chunk = src[i:i + step]
+        dst[i:i + step].copy_(chunk)
+        if mapped:
+            release_pages(chunk)
+
+
+class ShardedSource:
+    """The ``module`` state dicts of a checkpoint's shards, mapped, as seen by one model-parallel rank."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str = "", mp_rank: int = 0, mp_size: int = 1):
+        self.ckpt, self.rank, self.size = ckpt, mp_rank, mp_size
+        self.saved = [ckpt.open(i) for i in range(ckpt.mp_size)]
+        for i, sd in enumerate(self.saved):
+            if not isinstance(sd, dict) or not isinstance(sd.get("module"), dict):
+                raise CheckpointError(f"'{ckpt.files[i]}' has no 'module' state dict: not a SAT checkpoint")
+        self.state = [{k[len(prefix):]: v for k, v in sd["module"].items() if k.startswith(prefix)}
+                      for sd in self.saved]
+        self.used: set = set()
+        self.mapped_storages = {t.untyped_storage().data_ptr() for sd in self.state for t in sd.values()
+                                if isinstance(t, torch.Tensor)}
+
+    @property
+    def own(self) -> dict:
+        """This rank's saved dict when the MP sizes match, else shard 0 (iteration, RNG states)."""
+        return self.saved[self.rank if self.ckpt.mp_size == self.size else 0]
+
+    def keys(self):
+        return self.state[0].keys()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.state[0]
+
+    def pieces(self, key: str, like: torch.Tensor, split) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(destination index view of like-shaped tensor, source view)`` pairs for this rank."""
+        self.used.add(key)
+        n_src = self.ckpt.mp_size
+        srcs = [sd[key] for sd in self.state]
+        if split is None:
+            src = srcs[self.rank if n_src == self.size else 0]
+            self._check(key, src.shape == like.shape, src, like, split)
+            return [((), src)]
+        d = split.dim
+        same = all(s.shape[:d] + s.shape[d + 1:] == like.shape[:d] + like.shape[d + 1:] for s in srcs)
+        self._check(key, same and srcs[0].shape[d] * n_src == like.shape[d] * self.size, srcs[0], like, split)
+        out = []
+        for dst, shard, start, n in _pieces(split, srcs[0].shape[d], n_src, self.size, self.rank):
+            index = (slice(None),) * d + (slice(dst, dst + n),)
+            out.append((index, srcs[shard].narrow(d, start, n)))
+        return out
+
+    def _check(self, key, ok, src, like, split):
+        if ok:
+            return
+        if split is None and self.ckpt.mp_size != self.size:
+            raise CheckpointError(
+                f"'{key}' is {tuple(src.shape)} in the MP={self.ckpt.mp_size} checkpoint but "
+                f"{tuple(like.shape)} at MP={self.size}, and sat_patches does not know how it is split: "
+                f"merge the checkpoint to MP=1 first ({MERGE_COMMAND}), or load at MP={self.ckpt.mp_size}")
+        raise CheckpointError(f"size mismatch for '{key}': {tuple(src.shape)} per shard in "
+                              f"'{self.ckpt.path}' (MP={self.ckpt.mp_size}), {tuple(like.shape)} in the model "
+                              f"at MP={self.size}: model_config.json and the checkpoint disagree")
+
+    def copy_into(self, key: str, dst: torch.Tensor, split) -> None:
+        with torch.no_grad():
+            for index, src in self.pieces(key, dst, split):
+                _copy(dst[index], src, mapped=True)
+
+    def assembled(self, key: str, like: torch.Tensor, split) -> torch.Tensor:
+        """This rank's slice as one CPU tensor (a view of the mapped file when it is one piece)."""
+        parts = self.pieces(key, like, split)
+        if len(parts) == 1 and parts[0][0] == ():
+            return parts[0][1]
+        out = torch.empty(like.shape, dtype=parts[0][1].dtype)
+        for index, src in parts:
+            out[index].copy_(src)
+        return out

@@ -1,0 +1,159 @@
+"""Ranks coordinating while they load: stages, barriers with a timeout, node ranks, a shared start time.
+
+* Ranks meet behind a barrier with a timeout (``SAT_PATCHES_LOAD_TIMEOUT`` seconds, default 1800)
+  whose message names the stage each late rank is at.
+* ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node (SAT's node groups are
+  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box); :class:`_SharedStart` hands every rank rank 0's
+  start time, from which SAT's ``experiment_name`` is made.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import time
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .registry import SatPatchesWarning
+from .settings import env_seconds
+
+
+class LoadTimeout(RuntimeError):
+    """Other ranks did not reach a loading barrier in time; names the stage they are at."""
+
+
+def load_timeout() -> float:
+    return env_seconds("SAT_PATCHES_LOAD_TIMEOUT", 1800.0, what=" that loading may take")
+
+
+_barriers = 0
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Announce what this rank is doing (``with stage("reading ...")``) so that a rank waiting at a
+    :func:`barrier` can say where the late ones are."""
+    store = _store()
+    if store is not None:
+        store.set(f"sat_patches/stage/{dist.get_rank()}", f"{time.time()}|{name}")
+    yield
+
+
+def barrier(name: str, timeout: Optional[float] = None) -> None:
+    """Wait until every rank reached this point, at most ``timeout`` seconds (default
+    ``SAT_PATCHES_LOAD_TIMEOUT``); then raise :class:`LoadTimeout` naming each late rank's stage."""
+    global _barriers
+    store = _store()
+    if store is None:
+        return
+    timeout = load_timeout() if timeout is None else timeout
+    _barriers += 1
+    me, world = dist.get_rank(), dist.get_world_size()
+    key = f"sat_patches/barrier/{_barriers}/"
+    with stage(f"waiting at '{name}'"):
+        store.set(key + str(me), "1")
+    _wait(store, [key + str(r) for r in range(world)], timeout, name)
+    store.set(key + f"left/{me}", "1")
+    if me == 0:  # rank 0 usually hosts the store: it leaves last, so no rank loses the store while waiting
+        _wait(store, [key + f"left/{r}" for r in range(world)], timeout, name)
+
+
+def _wait(store, keys: List[str], timeout: float, name: str) -> None:
+    me = dist.get_rank()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except dist.DistNetworkError as exc:
+        raise RuntimeError(f"rank {me} lost the process group's store at '{name}': the rank that hosts it "
+                           f"(usually rank 0) exited or crashed; see that rank's log") from exc
+    except (dist.DistError, RuntimeError) as exc:
+        late = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise LoadTimeout(f"rank {me} waited {timeout:.0f} s at '{name}' for rank(s) {late}: "
+                          + "; ".join(_stage_of(store, r) for r in late)
+                          + f". Look at those ranks (hung, or slower storage), or raise SAT_PATCHES_LOAD_TIMEOUT "
+                            f"(now {timeout:.0f} s).") from exc
+
+
+def _stage_of(store, rank: int) -> str:
+    key = f"sat_patches/stage/{rank}"
+    if not store.check([key]):
+        return f"rank {rank} has not started loading"
+    since, _, what = store.get(key).decode().partition("|")
+    return f"rank {rank} is at stage '{what}' for {time.time() - float(since):.0f} s"
+
+
+def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
+    """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
+    so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
+    store = _store()
+    if store is None:
+        return [value]
+    key = f"sat_patches/{name}/"
+    store.set(key + str(dist.get_rank()), value)
+    keys = [key + str(r) for r in range(dist.get_world_size())]
+    store.wait(keys, datetime.timedelta(seconds=load_timeout() if timeout is None else timeout))
+    return [store.get(k).decode() for k in keys]
+
+
+_node_ranks: Dict[Tuple[int, int], List[int]] = {}
+
+
+def node_ranks() -> List[int]:
+    """Global ranks on this rank's node (same host and launcher node rank), from every rank."""
+    me = (dist.get_rank(), dist.get_world_size())
+    if me not in _node_ranks:
+        node = "|".join((socket.gethostname(), os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK")
+                         or os.environ.get("NODE_RANK") or ""))
+        nodes = store_gather("node", node)
+        _node_ranks[me] = [r for r, n in enumerate(nodes) if n == node]
+    return _node_ranks[me]
+
+
+def check_local_world_size() -> Optional[int]:
+    """Set ``LOCAL_WORLD_SIZE`` to the number of ranks really on this node, with a warning when the
+    environment says otherwise (SAT builds its node groups from it). Returns the size it checked."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = node_ranks()
+    real, said = len(ranks), os.environ.get("LOCAL_WORLD_SIZE")
+    world = dist.get_world_size()
+    contiguous = ranks == list(range(ranks[0], ranks[0] + real)) and ranks[0] % real == 0 and world % real == 0
+    if not contiguous:
+        warnings.warn(f"ranks {ranks} share this node: SAT's node groups assume consecutive blocks of "
+                      f"LOCAL_WORLD_SIZE ranks per node; leaving LOCAL_WORLD_SIZE={said}", SatPatchesWarning)
+        return None
+    if said is None:  # SAT would guess min(world size, 8)
+        os.environ["LOCAL_WORLD_SIZE"] = str(real)
+    elif said != str(real):
+        warnings.warn(f"LOCAL_WORLD_SIZE={said} but this node runs {real} rank(s) {ranks} (a launcher "
+                      f"environment such as CogVLM's .deepspeed_env sets it): using LOCAL_WORLD_SIZE={real} "
+                      f"for SAT's node groups", SatPatchesWarning)
+        os.environ["LOCAL_WORLD_SIZE"] = str(real)
+    return real
+
+
+class _SharedStart:
+    """Stands in for ``datetime`` in SAT's training module until its first ``now()`` (the
+    ``experiment_name`` timestamp), which returns rank 0's time; then puts ``datetime`` back."""
+
+    def __init__(self, module, real, shared):
+        self._module, self._real, self._shared = module, real, shared
+
+    def now(self, tz=None):
+        self._module.datetime = self._real
+        return self._shared
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)

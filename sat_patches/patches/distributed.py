@@ -1,0 +1,158 @@
+"""Process group and argument patches: a backend for CPU tensors, and SAT's CPU device check.
+
+SAT creates an NCCL-only process group (``--distributed-backend nccl``) and then runs collectives
+on CPU tensors (parameter sync, model-parallel split): ``RuntimeError: No backend type associated
+with device type cpu`` (CogVLM 328, SAT 173). The policy here gives CPU tensors gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import warnings
+
+import torch.distributed as dist
+
+from . import devices
+from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
+
+NO_BACKEND = "No backend type associated with device type"
+
+
+def process_group_backend(requested: str = "nccl") -> str:
+    """The backend string to create the process group with, so that CPU tensors have a backend.
+
+    ``gloo``/``ucc``/``mpi`` (they serve CPU) and mapping strings that already name a CPU backend
+    stay as they are. A backend that serves only CUDA (``nccl``, or one registered with
+    ``devices=["cuda"]``) becomes ``cpu:gloo,cuda:<it>``; plain ``nccl`` on a machine without CUDA or
+    NCCL becomes ``gloo``.
+    """
+    requested = (requested or "nccl").strip()
+    if ":" in requested:
+        devices_named = {part.split(":")[0].strip() for part in requested.split(",")}
+        return requested if "cpu" in devices_named else f"cpu:gloo,{requested}"
+    capability = dist.Backend.backend_capability.get(requested.lower())
+    if capability is None or "cpu" in capability:
+        return requested
+    if requested.lower() == "nccl" and not (devices.cuda_available() and dist.is_nccl_available()):
+        return "gloo"
+    return f"cpu:gloo,cuda:{requested}"
+
+
+def _initialize_distributed(original):
+    """sat/arguments.py initialize_distributed: the group is created NCCL-only (CogVLM 328, SAT 173)."""
+    @functools.wraps(original)
+    def initialize_distributed(args):
+        if not dist.is_initialized():
+            args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
+        return original(args)
+    return initialize_distributed
+
+
+def _get_args(original):
+    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU.
+
+    Without CUDA SAT sets ``args.device = 'cpu'``, then compares it with ``args.local_rank`` and
+    refuses to train. While SAT checks (and sets up torch.distributed) both name the CPU device;
+    the integer local rank is put back before ``get_args`` returns.
+    """
+    @functools.wraps(original)
+    def get_args(args_list=None, parser=None):
+        if devices.compute_device().type == "cuda":
+            return original(args_list, parser)
+        parser = parser if parser is not None else argparse.ArgumentParser(description="sat")
+        parse, local_rank = parser.parse_args, []
+
+        def parse_args(*a, **kw):
+            ns = parse(*a, **kw)
+            if getattr(ns, "device", None) == -1:
+                local_rank.append(ns.local_rank if ns.local_rank is not None else devices.local_rank())
+                ns.device = ns.local_rank = "cpu"
+            return ns
+
+        parser.parse_args = parse_args
+        try:
+            args = original(args_list, parser)
+        finally:
+            del parser.parse_args
+        if local_rank:
+            args.local_rank = local_rank[0]
+        return args
+    return get_args
+
+
+@contextlib.contextmanager
+def explained_collectives(where: str, named_tensors):
+    """Re-raise "No backend type associated with device type X" naming the SAT call site and the
+    first tensor on a device the process group has no backend for."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if NO_BACKEND not in str(exc):
+            raise
+        backend = str(dist.get_backend()) if dist.is_initialized() else "?"
+        served = _devices_served(backend)
+        culprit = next(((n, t) for n, t in named_tensors() if t.device.type not in served), None)
+        what = (f"tensor '{culprit[0]}' is on {culprit[1].device}" if culprit
+                else "a tensor is on a device")
+        raise RuntimeError(
+            f"{exc}\nsat_patches: in {where}: {what}, and the process group (backend '{backend}') has "
+            f"no backend for it. Create the group with backend 'cpu:gloo,cuda:nccl' (sat_patches' "
+            f"process_group_backend patch does this unless disabled) or put the tensor on the compute "
+            f"device {devices.compute_device()}.") from exc
+
+
+def _devices_served(backend: str) -> set:
+    if ":" in backend:
+        return {part.split(":")[0].strip() for part in backend.split(",")}
+    return set(dist.Backend.backend_capability.get(backend.lower(), ["cpu", "cuda"]))
+
+
+def training_device(args, model_given: bool):
+    """The device ``training_main`` moves a passed-in model to: the compute device, not a 'cpu' that
+    CogVLM's QLoRA demo put in ``args.device`` while CUDA is present."""
+    compute = devices.compute_device()
+    if model_given and compute.type == "cuda" and str(getattr(args, "device", "")) == "cpu":
+        warnings.warn("args.device is 'cpu' but this rank computes on CUDA; training_main would move the "
+                      f"whole model back to CPU. Using {compute}.", SatPatchesWarning, stacklevel=3)
+        return compute.index
+    return args.device
+
+
+def _training_main(original):
+    """sat training_main: moves a passed-in model to ``args.device`` (CPU on the QLoRA demo path)."""
+    @functools.wraps(original)
+    def training_main(args, model_cls, *a, **kw):
+        args.device = training_device(args, model_given=not isinstance(model_cls, type))
+        return original(args, model_cls, *a, **kw)
+    return training_main
+
+
+def _setup_with_explained_sync(original):
+    """SAT's "Syncing initialized parameters" broadcast: name the parameter when it has no backend."""
+    @functools.wraps(original)
+    def setup_model_untrainable_params_and_optimizer(args, model, config_params=None):
+        module = getattr(model, "module", model)
+        with explained_collectives(
+                "SAT's 'Syncing initialized parameters' (sat/training/deepspeed_training.py "
+                "setup_model_untrainable_params_and_optimizer)", module.named_parameters):
+            return original(args, model, config_params)
+    return setup_model_untrainable_params_and_optimizer
+
+
+PATCHES = [
+    Patch("process_group_backend", "sat.arguments:initialize_distributed", _initialize_distributed,
+          answers="CogVLM 328, SAT 173: No backend type associated with device type cpu",
+          expect=expect_names("init_process_group", "distributed_backend")),
+    Patch("explain_sync_collective",
+          "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
+          _setup_with_explained_sync,
+          answers="CogVLM 328: the NCCL error does not say which tensor or SAT call; name both",
+          expect=expect_names("broadcast")),
+    Patch("training_main_device", "sat.training.deepspeed_training:training_main", _training_main,
+          answers="QLoRA demo sets args.device='cpu'; training_main (SAT 5385db0) then moves the model to CPU",
+          expect=expect_names("device")),
+    Patch("get_args_cpu_device", "sat.arguments:get_args", _get_args,
+          answers="get_args: 'LOCAL_RANK (default 0) and args.device inconsistent' without CUDA",
+          expect=expect_params("args_list", "parser")),
+]

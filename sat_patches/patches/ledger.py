@@ -1,0 +1,336 @@
+"""The memory ledger: every rank records its host RSS (now and peak) and CUDA memory (allocated and
+reserved, now and max) at each phase of a SAT run; rank 0 prints the per-rank table, writes it to
+the run directory and flags a rank far above the others (issue 6).
+
+Phases, each recorded when the SAT call named returns (patches below):
+
+    start           sat.arguments.initialize_distributed      (after imports and the process group)
+    build           a SAT model is constructed                (MetaModel.__call__, outermost)
+    load            sat.training.model_io.load_checkpoint / BaseModel.from_pretrained
+    split           sat.mpu.operation.mp_split_model_rank0 / mp_split_model_receive (stock MP>1 loading)
+    lora            BaseModel.add_mixin of a LoRA mixin with reinit (LoRA layers injected)
+    deepspeed_init  setup_model_untrainable_params_and_optimizer (parameter sync, deepspeed.initialize)
+    first_step      the first train_step
+    step            every train_step that ends a log interval (args.log_interval)
+
+At the first step and at every log interval the ranks' new rows are gathered to rank 0, which appends
+them to ``memory_ledger.csv`` and rewrites ``memory_ledger.json`` in the run directory
+(``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table. With
+``SAT_PATCHES_LEDGER_DIR`` each rank also writes its rows the moment it records them
+(``memory_ledger.rank<N>.csv``), so a run killed while building or loading still leaves its ledger.
+``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import glob
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Dict, List, Optional
+
+import torch
+
+from ..core.registry import Patch, expect_names, expect_params
+
+CSV_NAME, JSON_NAME, PNG_NAME = "memory_ledger.csv", "memory_ledger.json", "memory_ledger.png"
+RANK_CSV = "memory_ledger.rank{rank}.csv"   # with SAT_PATCHES_LEDGER_DIR: each rank's rows as they happen
+MiB = 2 ** 20
+FAR_ABOVE_RATIO = 1.25      # a rank is flagged when its peak exceeds the others' median by this factor
+FAR_ABOVE_MIN_MIB = 512     # ... and by at least this much
+
+
+@dataclass
+class Row:
+    rank: int
+    phase: str
+    iteration: int
+    time: float             # unix time
+    elapsed: float          # seconds since this rank's ledger started
+    rss_mib: float
+    rss_peak_mib: float
+    cuda_alloc_mib: float = 0.0
+    cuda_max_alloc_mib: float = 0.0
+    cuda_reserved_mib: float = 0.0
+    cuda_max_reserved_mib: float = 0.0
+
+
+FIELDS = [f.name for f in fields(Row)]
+
+
+def host_memory() -> Dict[str, float]:
+    """This process's resident set now and at its peak (VmRSS/VmHWM), MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "rss_peak_mib": int(status["VmHWM"].split()[0]) / 1024}
+    except (OSError, KeyError, ValueError):
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return {"rss_mib": peak, "rss_peak_mib": peak}
+
+
+def cuda_memory() -> Dict[str, float]:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    c = torch.cuda
+    return {"cuda_alloc_mib": c.memory_allocated() / MiB, "cuda_max_alloc_mib": c.max_memory_allocated() / MiB,
+            "cuda_reserved_mib": c.memory_reserved() / MiB, "cuda_max_reserved_mib": c.max_memory_reserved() / MiB}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def enabled() -> bool:
+    return os.environ.get("SAT_PATCHES_LEDGER", "1") not in ("0", "", "false")
+
+
+class Ledger:
+    """One per process: rows recorded here, gathered to rank 0 at :meth:`flush`."""
+
+    def __init__(self):
+        self.start = time.time()
+        self.rows: List[Row] = []          # this rank's rows
+        self.pending: List[Row] = []       # not yet gathered
+        self.table: List[Row] = []         # rank 0: every rank's gathered rows
+        self.steps = 0
+        self._depth = threading.local()
+
+    def record(self, phase: str, iteration: int = 0) -> Row:
+        now = time.time()
+        row = Row(rank=_rank(), phase=phase, iteration=iteration, time=now, elapsed=now - self.start,
+                  **host_memory(), **cuda_memory())
+        self.rows.append(row)
+        self.pending.append(row)
+        early = os.environ.get("SAT_PATCHES_LEDGER_DIR")
+        if early:  # each rank's own file, written at once: kept when the run dies before the first step
+            _append(os.path.join(early, RANK_CSV.format(rank=row.rank)), [row], fresh=len(self.rows) == 1)
+        return row
+
+    @contextlib.contextmanager
+    def phase(self, name: str, once: bool = False):
+        """Record ``name`` when the outermost such block of this thread ends (nested builds count
+        once); with ``once``, only the first time."""
+        depth = getattr(self._depth, name, 0)
+        setattr(self._depth, name, depth + 1)
+        try:
+            yield
+        finally:
+            setattr(self._depth, name, depth)
+        if depth == 0 and enabled() and not (once and any(r.phase == name for r in self.rows)):
+            self.record(name)  # only when the call returned
+
+    def gather(self) -> List[Row]:
+        """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
+        import torch.distributed as dist
+        mine, self.pending = [asdict(r) for r in self.pending], []
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [Row(**r) for r in mine]
+        boxes = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, boxes, dst=0)  # torch picks the group's object device (CUDA for NCCL)
+        return [Row(**r) for box in (boxes or []) for r in box]
+
+    def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
+        """Gather; on rank 0 append to the run directory's files and print the table."""
+        new = self.gather()
+        if _rank() != 0:
+            return new
+        first = not self.table
+        self.table.extend(new)
+        if run_dir:
+            write(run_dir, new, self.table, fresh=first)
+        shown = new if first else latest_per_rank(new)
+        print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
+        return new
+
+
+LEDGER = Ledger()
+
+
+def run_directory(args=None) -> Optional[str]:
+    return os.environ.get("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
+
+
+def _append(path: str, rows: List[Row], fresh: bool) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w" if fresh else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if fresh:
+            writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+
+
+def write(run_dir: str, new: List[Row], everything: List[Row], fresh: bool = False) -> None:
+    """Rank 0: append ``new`` to the run's CSV (a new file when ``fresh``) and rewrite the JSON."""
+    _append(os.path.join(run_dir, CSV_NAME), new, fresh or not os.path.exists(os.path.join(run_dir, CSV_NAME)))
+    with open(os.path.join(run_dir, JSON_NAME), "w") as f:
+        json.dump({"rows": [asdict(r) for r in everything], "flagged": flagged(everything)}, f, indent=1)
+
+
+def _read_csv(path: str) -> List[Row]:
+    with open(path, newline="") as f:
+        return [Row(**{k: (v if k == "phase" else (int(float(v)) if k in ("rank", "iteration") else float(v)))
+                       for k, v in r.items()}) for r in csv.DictReader(f)]
+
+
+def read(run_dir: str) -> List[Row]:
+    """The run's rows: rank 0's table, else (the run ended before its first step) every rank's own file."""
+    path = os.path.join(run_dir, CSV_NAME)
+    if os.path.exists(path):
+        return _read_csv(path)
+    own = sorted(glob.glob(os.path.join(run_dir, RANK_CSV.format(rank="*"))))
+    if not own:
+        raise FileNotFoundError(f"no {CSV_NAME} in {run_dir}: run with sat_patches applied and --save set "
+                                f"(or SAT_PATCHES_LEDGER_DIR) until the first training step")
+    return sorted((r for p in own for r in _read_csv(p)), key=lambda r: (r.time, r.rank))
+
+
+def latest_per_rank(rows: List[Row]) -> List[Row]:
+    last: Dict[int, Row] = {}
+    for r in rows:
+        last[r.rank] = r
+    return [last[k] for k in sorted(last)]
+
+
+def peaks(rows: List[Row]) -> Dict[int, Dict[str, float]]:
+    """Per rank: the largest host peak and CUDA max reserved seen so far."""
+    out: Dict[int, Dict[str, float]] = {}
+    for r in rows:
+        p = out.setdefault(r.rank, {"host": 0.0, "cuda": 0.0})
+        p["host"] = max(p["host"], r.rss_peak_mib)
+        p["cuda"] = max(p["cuda"], r.cuda_max_reserved_mib)
+    return out
+
+
+def far_above(values: Dict[int, float], ratio: float = FAR_ABOVE_RATIO,
+              min_mib: float = FAR_ABOVE_MIN_MIB) -> Dict[int, str]:
+    """Ranks whose value exceeds the median of the other ranks by ``ratio`` and by ``min_mib``."""
+    out = {}
+    for rank, value in values.items():
+        others = [v for k, v in values.items() if k != rank]
+        if not others:
+            continue
+        median = statistics.median(others)
+        if value > ratio * median and value - median >= min_mib:
+            out[rank] = f"{value:.0f} MiB vs the others' median {median:.0f} MiB ({value / max(median, 1):.1f}x)"
+    return out
+
+
+def flagged(rows: List[Row]) -> Dict[str, Dict[int, str]]:
+    p = peaks(rows)
+    return {"host": far_above({k: v["host"] for k, v in p.items()}),
+            "cuda": far_above({k: v["cuda"] for k, v in p.items()})}
+
+
+def format_table(shown: List[Row], everything: List[Row], title: str = "", where: Optional[str] = None) -> str:
+    cuda = any(r.cuda_max_reserved_mib for r in everything)
+    head = f"{'rank':>4}  {'phase':<14} {'iter':>6} {'RSS MiB':>9} {'RSS peak':>9}"
+    if cuda:
+        head += f" {'CUDA alloc':>10} {'max alloc':>10} {'reserved':>10} {'max resv':>10}"
+    flags = flagged(everything)
+    lines = [f"[sat_patches memory ledger] {title}".rstrip() + (f" -> {where}" if where else
+                                                               " (set --save or SAT_PATCHES_LEDGER_DIR to keep it)"),
+             head]
+    for r in shown:
+        line = f"{r.rank:>4}  {r.phase:<14} {r.iteration:>6} {r.rss_mib:>9.0f} {r.rss_peak_mib:>9.0f}"
+        if cuda:
+            line += (f" {r.cuda_alloc_mib:>10.0f} {r.cuda_max_alloc_mib:>10.0f} {r.cuda_reserved_mib:>10.0f}"
+                     f" {r.cuda_max_reserved_mib:>10.0f}")
+        lines.append(line)
+    for kind, ranks in flags.items():
+        for rank, why in sorted(ranks.items()):
+            lines.append(f"  ! rank {rank} is far above the others in {'host RSS' if kind == 'host' else 'CUDA memory'}: "
+                         f"{why}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Patches: record a phase when a SAT function returns
+# --------------------------------------------------------------------------------------
+def _recording(phase: str, once: bool = False):
+    """Wrap a function (or classmethod) so that :data:`LEDGER` records ``phase`` when it returns."""
+    def make(original):
+        func = original.__func__ if isinstance(original, classmethod) else original
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with LEDGER.phase(phase, once):
+                return func(*args, **kwargs)
+        return classmethod(wrapper) if isinstance(original, classmethod) else wrapper
+    return make
+
+
+def _train_step(original):
+    """SAT's train_step: record the first step and every step that ends a log interval; at those
+    steps (the same on every rank) gather the rows to rank 0, write and print them."""
+    @functools.wraps(original)
+    def train_step(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw):
+        result = original(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw)
+        if not enabled():
+            return result
+        LEDGER.steps += 1
+        iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
+        interval = max(1, getattr(args, "log_interval", 1) or 1)
+        if LEDGER.steps == 1:
+            LEDGER.record("first_step", iteration)
+            LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
+        elif iteration % interval == 0:
+            LEDGER.record("step", iteration)
+            LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
+        return result
+    return train_step
+
+
+def _answers(what):
+    return f"issue 6 memory ledger: {what}"
+
+
+def _add_mixin(original):
+    """``BaseModel.add_mixin``: record "lora" once a LoRA mixin was added and injected (reinit)."""
+    @functools.wraps(original)
+    def add_mixin(self, name, new_mixin, reinit=False):
+        if not (reinit and "lora" in type(new_mixin).__name__.lower()):
+            return original(self, name, new_mixin, reinit=reinit)
+        with LEDGER.phase("lora"):
+            return original(self, name, new_mixin, reinit=reinit)
+    return add_mixin
+
+
+PATCHES = [
+    Patch("ledger_build", "sat.model.registry:MetaModel.__call__", _recording("build"),
+          answers=_answers("host/CUDA memory once a SAT model is built (CogVLM 283: killed while building)")),
+    Patch("ledger_lora", "sat.model.base_model:BaseModel.add_mixin", _add_mixin,
+          answers=_answers("memory once LoRA layers are injected (stock lora2 copies every base layer)"),
+          expect=expect_params("name", "new_mixin", "reinit")),
+    Patch("ledger_start", "sat.arguments:initialize_distributed", _recording("start", once=True),
+          answers=_answers("baseline after imports and process-group set-up"),
+          expect=expect_names("init_process_group")),
+    Patch("ledger_load", "sat.training.model_io:load_checkpoint", _recording("load"),
+          answers=_answers("memory after a checkpoint load (CogVLM 320: RAM twice the model)"),
+          expect=expect_params("model", "args")),
+    Patch("ledger_from_pretrained", "sat.model.base_model:BaseModel.from_pretrained", _recording("load"),
+          answers=_answers("memory after from_pretrained (build + load + MP split)"),
+          expect=expect_params("name", "args")),
+    Patch("ledger_split_rank0", "sat.mpu.operation:mp_split_model_rank0", _recording("split"),
+          answers=_answers("node rank 0 holding the full model while it sends partitions (SAT 173)"),
+          expect=expect_names("broadcast")),
+    Patch("ledger_split_receive", "sat.mpu.operation:mp_split_model_receive", _recording("split"),
+          answers=_answers("ranks receiving their partition (SAT 173)"),
+          expect=expect_names("broadcast")),
+    Patch("ledger_deepspeed_init", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
+          _recording("deepspeed_init"),
+          answers=_answers("memory after parameter sync and deepspeed.initialize (optimizer states)"),
+          expect=expect_names("initialize")),
+    Patch("ledger_train_step", "sat.training.deepspeed_training:train_step", _train_step,
+          answers=_answers("first step and every log interval; rank 0 prints/writes the table, flags outliers"),
+          expect=expect_params("data_iterator", "model", "optimizer", "lr_scheduler", "args", "timers")),
+]

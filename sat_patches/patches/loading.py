@@ -1,0 +1,466 @@
+"""Checkpoints load with little host memory, rank-locally, at any model-parallel size (issue 5).
+
+What SAT 0.4.12 does (field notes, "Host memory"): ``load_checkpoint`` ``torch.load``s the whole file
+into RAM on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the
+node's rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` +
+``send`` every partition (SAT 173, CogVLM 283/320/162); it mutates the caller's ``args`` and
+``overwrite_args``; from an MP=N checkpoint to MP=N it raises "model_parallel_size is inconsistent"
+(CogVLM 233).
+
+Here (this module: loading a state into a model, SAT's entry points and the patches):
+
+* :mod:`sat_patches.checkpoints.files` checks the checkpoint directory and ``model_config.json``
+  before the model is built; :mod:`sat_patches.checkpoints.sharding` reads each rank's own slices, in chunks,
+  from the memory-mapped shard files, at any model-parallel size.
+* ``from_pretrained`` builds the model on meta (no memory, no init) and materialises it from the
+  checkpoint by assignment; when the checkpoint cannot fill every tensor (new mixins), it builds on
+  the compute device instead (initialised, as SAT does) and loads into it.
+* Ranks meet behind :mod:`sat_patches.core.coordination`'s barriers, which have a timeout;
+  ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node and ``experiment_name``
+  is decided on rank 0 (CogVLM 269: per-rank timestamps split one run's checkpoints across directories).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import construction, devices
+from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
+from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
+from ..core.coordination import _SharedStart, _store, barrier, check_local_world_size, stage, store_gather
+from ..checkpoints.sharding import ShardedSource, release_pages, split_of
+
+
+# --------------------------------------------------------------------------------------
+# Loading a state into a model
+# --------------------------------------------------------------------------------------
+
+def materialise_device() -> torch.device:
+    """Where tensors built on meta are materialised: the compute device (CPU while it is meta)."""
+    return devices.communication_device()
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Modules with their own load logic (SAT/our LoRA layers, Hack* layers, pre-hooks)."""
+    return (type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+            or bool(module._load_state_dict_pre_hooks))
+
+
+def _tensors(module: torch.nn.Module):
+    """(name, tensor, is_parameter, persistent) of a module's own parameters and buffers."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield name, p, True, True
+    for name, b in module._buffers.items():
+        if b is not None:
+            yield name, b, False, name not in module._non_persistent_buffers_set
+
+
+class _LazyState(Mapping):
+    """What a module with its own ``_load_from_state_dict`` sees: this rank's slices, read on use."""
+
+    def __init__(self, source: ShardedSource, resolve):
+        self.source, self.resolve, self.views = source, resolve, []
+
+    def __contains__(self, key):
+        return key in self.source
+
+    def __iter__(self):
+        return iter(self.source.keys())
+
+    def __len__(self):
+        return len(self.source.keys())
+
+    def __getitem__(self, key):
+        like, split = self.resolve(key)
+        if like is None:
+            tensor = self.source.state[0][key]
+        else:
+            tensor = self.source.assembled(key, like, split)
+        self.source.used.add(key)
+        if tensor.untyped_storage().data_ptr() in self.source.mapped_storages:
+            self.views.append(tensor)  # a view of the mapped file: its pages are released after use
+        return tensor
+
+    def release(self):
+        for t in self.views:
+            release_pages(t)
+        self.views.clear()
+
+
+def _resolve(model: torch.nn.Module, key: str):
+    """(model tensor, split) for a state-dict key; SAT LoRA's plain ``x.weight`` is ``x.original.weight``."""
+    path, _, name = key.rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return None, None
+    tensor = getattr(owner, name, None)
+    if not isinstance(tensor, torch.Tensor) and isinstance(getattr(owner, "original", None), torch.nn.Module):
+        owner, key = owner.original, f"{path}.original.{name}"
+        tensor = getattr(owner, name, None)
+    if not isinstance(tensor, torch.Tensor):
+        return None, None
+    return tensor, split_of(model, key, owner, name)
+
+
+def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str], List[str]]:
+    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
+    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). Returns
+    (missing_keys, unexpected_keys)."""
+    missing, unexpected, errors = [], [], []
+    assigned: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
+    target = materialise_device()
+    hooked_prefixes = []
+
+    def fill(module, prefix):
+        for name, t, is_param, persistent in _tensors(module):
+            key = prefix + name
+            if not persistent:
+                continue
+            if key not in source:
+                missing.append(key)
+                continue
+            if id(t) in assigned and assigned[id(t)][0] is t:  # shared (tied) tensor, already loaded
+                new = assigned[id(t)][1]
+                source.used.add(key)
+            elif t.is_meta:
+                new = torch.empty(t.shape, dtype=t.dtype, device=target)
+                source.copy_into(key, new, split_of(model, key, module, name))
+                if is_param:
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    new.__dict__.update(t.__dict__)
+                assigned[id(t)] = (t, new)  # holding t keeps its id from being reused
+            else:
+                source.copy_into(key, t, split_of(model, key, module, name))
+                continue
+            (module._parameters if is_param else module._buffers)[name] = new
+
+    def load(module, prefix):
+        if _hooked(module):
+            hooked_prefixes.append(prefix)
+            view = _LazyState(source, lambda key: _resolve(model, key))
+            module._load_from_state_dict(view, prefix, {}, True, missing, unexpected, errors)
+            view.release()
+        else:
+            fill(module, prefix)
+        for child_name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + child_name + ".")
+        incompatible = torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        for hook in module._load_state_dict_post_hooks.values():
+            hook(module, incompatible)
+
+    load(model, "")
+    if errors:
+        raise CheckpointError("loading '{}' failed:\n\t{}".format(source.ckpt.path, "\n\t".join(errors)))
+    unexpected += [k for k in source.keys() if k not in source.used and k not in unexpected
+                   and not any(k.startswith(p) for p in hooked_prefixes if p)]
+    return missing, unexpected
+
+
+def meta_tensors(model: torch.nn.Module) -> List[str]:
+    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+
+
+def _model_parallel() -> Tuple[int, int]:
+    from sat import mpu
+    if dist.is_initialized() and mpu.model_parallel_is_initialized():
+        return mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+    return 0, 1
+
+
+def open_source(ckpt: Checkpoint, prefix: str = "") -> ShardedSource:
+    """Map ``ckpt``'s shards for this rank's model-parallel rank and size."""
+    rank, size = _model_parallel()
+    with stage(f"opening {ckpt.mp_size} shard(s) of '{ckpt.path}' iteration {ckpt.iteration}"):
+        return ShardedSource(ckpt, prefix, rank, size)
+
+
+# --------------------------------------------------------------------------------------
+# SAT entry points
+# --------------------------------------------------------------------------------------
+
+_all_ranks_load = False  # True inside training_main: every rank calls load_checkpoint
+
+
+@contextlib.contextmanager
+def all_ranks_loading():
+    """Inside the block every rank calls ``load_checkpoint`` (SAT's ``training_main``)."""
+    global _all_ranks_load
+    previous, _all_ranks_load = _all_ranks_load, True
+    try:
+        yield
+    finally:
+        _all_ranks_load = previous
+
+
+def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=None, *,
+                    source: Optional[ShardedSource] = None, all_ranks: Optional[bool] = None):
+    """SAT's ``load_checkpoint`` (same arguments, same return: the iteration to resume from), reading
+    this rank's slices from mapped files at any model-parallel size. With ``all_ranks`` (every rank
+    loads: ``from_pretrained``, ``training_main``) the ranks meet at a :func:`barrier` afterwards."""
+    from sat.helpers import print_rank0
+    source = source or open_source(find_checkpoint(load_path or args.load, specific_iteration), prefix)
+    ckpt = source.ckpt
+    mode = getattr(args, "mode", "inference")
+    module = model.module if hasattr(model, "module") else model
+    with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
+        missing, unexpected = load_state(module, source)
+    if unexpected:
+        print_rank0(f"Will continue but found unexpected_keys! Check whether you are loading correct "
+                    f"checkpoints: {unexpected}.")
+    if missing:
+        _handle_missing(module, args, mode, missing)
+    left = meta_tensors(module)
+    if left:
+        raise CheckpointError(f"{left[:5]}{' ...' if len(left) > 5 else ''} are still on meta after loading "
+                              f"'{ckpt.path}': the checkpoint lacks them; build the model on the compute "
+                              f"device instead of meta, or load a checkpoint that has them")
+    iteration = 0 if ckpt.release else ckpt.iteration
+    if mode == "finetune":
+        iteration = 0
+    elif mode == "pretrain" and not getattr(args, "no_load_rng", False):
+        _restore_rng(source.own)
+    elif mode == "inference":
+        module.eval()
+    del source
+    if _all_ranks_load if all_ranks is None else all_ranks:
+        barrier(f"loaded '{ckpt.path}'")
+    print_rank0(f"> loaded {ckpt.path} iteration {ckpt.iteration} (MP={ckpt.mp_size}) with sat_patches")
+    return iteration
+
+
+def _handle_missing(module, args, mode, missing):
+    if mode == "inference":
+        if getattr(args, "force_inference", False):
+            warnings.warn(f"Missing keys for inference: {missing}.", SatPatchesWarning)
+            return
+        raise CheckpointError(f"Missing keys for inference: {missing}. Load the matching checkpoint, or "
+                              f"pass --force_inference to run anyway.")
+    if not getattr(args, "force_train", False):
+        stray = [k for k in missing if "mixins" not in k and "cross_attention" not in k]
+        if stray or mode != "finetune":
+            raise CheckpointError(f"checkpoint lacks {stray or missing} (mode {mode}): only new mixins may be "
+                                  f"missing, in --mode finetune; pass --force-train to train anyway")
+    names = []
+    for key in missing:
+        parts = key.split(".")
+        if "mixins" in parts and parts[parts.index("mixins") + 1] not in names:
+            names.append(parts[parts.index("mixins") + 1])
+    with construction.build_on(materialise_device(), construction.model_dtype(module)):
+        module.reinit(names)
+
+
+def _restore_rng(saved: dict) -> None:
+    import random
+    import numpy as np
+    states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
+              ("torch_rng_state", torch.set_rng_state)]
+    if torch.cuda.is_available():
+        states.append(("cuda_rng_state", torch.cuda.set_rng_state))
+    absent = [name for name, _ in states if name not in saved]
+    for name, setter in states:
+        if name in saved:
+            setter(saved[name])
+    if absent:
+        warnings.warn(f"checkpoint has no {', '.join(absent)} (saved with --no-save-rng?): those random "
+                      f"states start fresh; pass --no-load-rng to silence this", SatPatchesWarning)
+
+
+def _build(args, model_cls, kwargs, on_meta: bool):
+    """Build like SAT's ``get_model``; on meta without initialising or moving anything."""
+    from sat.model.base_model import get_model
+    if not on_meta:
+        return get_model(args, model_cls, **kwargs)
+    from sat.helpers import print_rank0
+    kwargs = dict(kwargs)
+    dtype = construction.run_dtype(args, kwargs.pop("params_dtype", None))
+    print_rank0(f"building {model_cls.__name__} model on meta, {dtype} ...")
+    with construction.build_on("meta", dtype):
+        model = model_cls(args, params_dtype=dtype, **kwargs)
+    if getattr(args, "fp16", False):
+        model.half()
+    elif getattr(args, "bf16", False):
+        model.bfloat16()
+    return model
+
+
+def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
+    """Can ``model`` (built on meta) be materialised from a checkpoint with these keys alone?"""
+    for prefix, module in model.named_modules():
+        prefix = prefix + "." if prefix else ""
+        for name, t, _, persistent in _tensors(module):
+            if t.is_meta and (_hooked(module) or not persistent or prefix + name not in keys):
+                return False
+    return True
+
+
+def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs):
+    """Build ``model_cls(args)`` and load ``ckpt`` on every rank: on meta then materialised from the
+    checkpoint when it holds every tensor, else on the compute device (initialised, as SAT's
+    ``get_model``) then loaded into."""
+    from sat.helpers import print_rank0
+    source = open_source(ckpt, prefix)  # before building: a damaged file stops here
+    with stage(f"building {model_cls.__name__} on meta"):
+        model = _build(args, model_cls, kwargs, on_meta=True)
+    if not fills_every_tensor(model, source):
+        print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
+                    f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
+        model = None
+    if model is None:
+        with stage(f"building {model_cls.__name__} on {devices.compute_device()}"):
+            model = _build(args, model_cls, kwargs, on_meta=False)
+    load_checkpoint(model, args, prefix=prefix, source=source, all_ranks=True)
+    return model.to(materialise_device())
+
+
+def ensure_model_parallel(args) -> None:
+    """torch.distributed and model-parallel groups of ``args.model_parallel_size``, before the model is
+    built (SAT's ``BaseModel`` sets them up the same way; its ``from_pretrained`` re-creates them)."""
+    from sat import mpu
+    from sat.arguments import _simple_init
+    size = getattr(args, "model_parallel_size", 1)
+    if dist.is_initialized() and mpu.model_parallel_is_initialized() \
+            and mpu.get_model_parallel_world_size() != size:
+        mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(size)
+    _simple_init(model_parallel_size=size, seed=getattr(args, "seed", 1234))
+
+
+def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, prefix="", build_only=False,
+                    use_node_group=True, overwrite_args=None, **kwargs):
+    """SAT's ``from_pretrained`` at any ``model_parallel_size``; ``model_cls`` None means AutoModel.
+
+    The caller's ``args`` and ``overwrite_args`` are left as they were; every rank builds and loads
+    only its own partition; an MP=N checkpoint loads at MP=N or any other size.
+    """
+    from sat.arguments import overwrite_args_by_dict, reset_random_seed, update_args_with_file
+    from sat.model.registry import model_registry
+    from sat.resources import auto_create
+    model_path = name if os.path.isdir(name) else auto_create(name, path=home_path, url=url)
+    read_model_config(model_path, need_class=model_cls is None)
+    specific_iteration = kwargs.pop("specific_iteration", None)
+    ckpt = None if build_only else find_checkpoint(model_path, specific_iteration)
+    overwrite = dict(overwrite_args or {})
+    caller_mp = getattr(args, "model_parallel_size", 1)
+    null_args = args is None
+    if args is not None:
+        args = copy.copy(args)  # update_args_with_file deletes the config's keys from the namespace it gets
+    else:
+        args = model_cls.get_args() if model_cls is not None else argparse.Namespace()
+    args = update_args_with_file(args, path=os.path.join(model_path, "model_config.json"))
+    args = overwrite_args_by_dict(args, overwrite_args=overwrite)
+    if model_cls is None:
+        model_cls = model_registry.get(args.model_class)
+        if null_args:
+            for k, v in vars(model_cls.get_args()).items():
+                if not hasattr(args, k):
+                    setattr(args, k, v)
+    ensure_model_parallel(args)
+    if build_only:
+        return _build(args, model_cls, kwargs, on_meta=False), args
+    model = build_and_load(model_cls, args, ckpt, prefix, **kwargs)
+    new_mp = overwrite.get("model_parallel_size")
+    if new_mp is not None and (new_mp != 1 or caller_mp == 1):
+        reset_random_seed(6)  # as SAT's model-parallel branch does after splitting
+    return model, args
+
+
+# --------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------
+
+def _load_checkpoint(original):
+    """SAT's load_checkpoint, mapped and rank-local; ZeRO-3 models keep SAT's own path."""
+    @functools.wraps(original)
+    def wrapper(model, args, load_path=None, prefix="", specific_iteration=None):
+        from sat.helpers import check_if_zero3
+        if check_if_zero3(args):
+            return original(model, args, load_path=load_path, prefix=prefix, specific_iteration=specific_iteration)
+        return load_checkpoint(model, args, load_path, prefix, specific_iteration)
+    return wrapper
+
+
+def _from_pretrained(auto: bool):
+    """SAT's from_pretrained, rank-local at any MP size; under ZeRO-3 SAT's own (zero.Init places weights)."""
+    def make(original):
+        @functools.wraps(original.__func__)
+        def wrapper(cls, name, args=None, **kwargs):
+            from sat.helpers import check_if_zero3
+            if args is not None and check_if_zero3(args):
+                return original.__func__(cls, name, args, **kwargs)
+            return from_pretrained(None if auto else cls, name, args, **kwargs)
+        return classmethod(wrapper)
+    return make
+
+
+def _initialize_model_parallel(original):
+    @functools.wraps(original)
+    def initialize_model_parallel(model_parallel_size_):
+        check_local_world_size()
+        return original(model_parallel_size_)
+    return initialize_model_parallel
+
+
+_runs = 0
+
+
+def _training_main(original):
+    module = sys.modules[original.__module__]
+
+    @functools.wraps(original)
+    def training_main(args, *a, **kw):
+        timestamped = not (args.load and args.mode == "pretrain")
+        global _runs
+        clock = module.datetime
+        if timestamped and _store() is not None:
+            _runs += 1
+            start = clock.now().isoformat() if dist.get_rank() == 0 else ""
+            start = store_gather(f"start/{_runs}", start)[0]
+            module.datetime = _SharedStart(module, clock, clock.fromisoformat(start))
+        try:
+            with all_ranks_loading():
+                return original(args, *a, **kw)
+        finally:
+            module.datetime = clock
+    return training_main
+
+
+def _expect_from_pretrained(original):
+    return expect_names("mp_split_model_rank0", "from_pretrained_base")(original) or \
+        expect_params("overwrite_args", "use_node_group")(original)
+
+
+PATCHES = [
+    Patch("load_checkpoint_mmap", "sat.training.model_io:load_checkpoint", _load_checkpoint,
+          answers="CogVLM 283/320/162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
+                  "MP=N checkpoints load only at MP=N",
+          expect=expect_names("get_checkpoint_name", "load_state_dict", "reinit")),
+    Patch("from_pretrained_rank_local", "sat.model.base_model:BaseModel.from_pretrained", _from_pretrained(False),
+          answers="SAT 173 / CogVLM 162, 233: MP>1 from_pretrained builds the full model on node rank 0 and "
+                  "sends partitions (.cuda()); MP=N to MP=N raises 'model_parallel_size is inconsistent'; "
+                  "mutates the caller's args",
+          expect=_expect_from_pretrained),
+    Patch("automodel_from_pretrained_rank_local", "sat.model.base_model:AutoModel.from_pretrained",
+          _from_pretrained(True),
+          answers="SAT 173 / CogVLM 233: AutoModel.from_pretrained, same model-parallel path as BaseModel's",
+          expect=_expect_from_pretrained),
+    Patch("local_world_size_check", "sat.mpu.initialize:initialize_model_parallel", _initialize_model_parallel,
+          answers="SAT 173 / CogVLM finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env on a 2-GPU box "
+                  "leaves SAT's node groups empty ('node group is not initialized')",
+          expect=expect_names("environ", "_NODE_GROUP", "new_group")),
+    Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main", _training_main,
+          answers="CogVLM 269: experiment_name timestamps differ per rank, one MP run saves into two directories",
+          expect=expect_names("experiment_name", "datetime", "strftime")),
+]

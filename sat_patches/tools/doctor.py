@@ -1,0 +1,483 @@
+"""``sat-patches doctor``: one screen on whether this machine can run a multi-GPU SAT fine-tuning job.
+
+Checks torch/CUDA/NCCL, SAT, DeepSpeed, bitsandbytes (and its CUDA binary), ninja; the GPUs (count,
+model, memory, driver alike); host RAM against what a planned run needs (``--model``, see
+``sat-patches plan``); LOCAL_WORLD_SIZE / WORLD_SIZE / CUDA_VISIBLE_DEVICES and ``.deepspeed_env``;
+the hostfile; NCCL_* and PYTORCH_CUDA_ALLOC_CONF; the collective timeout; which sat_patches patches
+are applied. Every problem says what to do. Exit status 1 when any check fails (blocking), else 0.
+It runs, and says what matters, on a CPU-only machine too.
+
+The checks are functions of a :class:`Facts` snapshot, so each can be tested with made-up facts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Callable, Dict, List, Optional
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
+VERIFIED_SAT = "0.4.12"
+# PYTORCH_CUDA_ALLOC_CONF options torch 2.x knows (c10 allocator config and the CUDA allocator's own)
+ALLOC_CONF_KEYS = {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
+                   "garbage_collection_threshold", "expandable_segments", "large_segment_size_mb", "backend",
+                   "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                   "pinned_use_background_threads", "pinned_max_cached_size_mb", "pinned_max_round_threshold_mb",
+                   "per_process_memory_fraction", "graph_capture_record_stream_reuse",
+                   "pinned_reserve_segment_size_mb"}
+
+
+@dataclass
+class Facts:
+    """What the checks look at; :func:`gather` reads it from this machine."""
+    env: Dict[str, str] = field(default_factory=dict)
+    versions: Dict[str, Optional[str]] = field(default_factory=dict)   # torch, torch_cuda, nccl, sat, ...
+    cuda_available: bool = False
+    gpus: List[Dict[str, object]] = field(default_factory=list)        # name, memory_gb, driver
+    smi_gpus: Optional[int] = None                                      # what nvidia-smi lists (None: no nvidia-smi)
+    bnb_cuda: Optional[bool] = None                                     # bitsandbytes loaded a CUDA binary
+    ninja: Optional[str] = None
+    host_total_gb: Optional[float] = None
+    host_available_gb: Optional[float] = None
+    host_needed_gb: Optional[float] = None                              # from a plan (--model)
+    host_needed_note: str = ""
+    hostfile: str = "hostfile"
+    hostfile_text: Optional[str] = None                                 # None: no such file
+    hostfile_error: Optional[str] = None
+    deepspeed_env: Dict[str, str] = field(default_factory=dict)         # .deepspeed_env (cwd, then ~)
+    net_interfaces: List[str] = field(default_factory=list)
+    patches: List[dict] = field(default_factory=list)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    summary: str
+    fix: str = ""
+
+
+# --------------------------------------------------------------------------------------
+# Reading the machine
+# --------------------------------------------------------------------------------------
+def _version(dist_name: str) -> Optional[str]:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _meminfo() -> Dict[str, float]:
+    try:
+        with open("/proc/meminfo") as f:
+            values = {k: int(v.split()[0]) / 1e6 for k, v in (line.split(":", 1) for line in f)}
+        return {"total": values["MemTotal"], "available": values.get("MemAvailable", values["MemFree"])}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+def _smi() -> Optional[List[List[str]]]:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _env_file(*paths: str) -> Dict[str, str]:
+    for path in paths:
+        if os.path.isfile(path):
+            with open(path) as f:
+                return dict(line.strip().split("=", 1) for line in f if "=" in line and not line.startswith("#"))
+    return {}
+
+
+def gather(hostfile: str = "hostfile") -> Facts:
+    import torch
+    facts = Facts(env=dict(os.environ), hostfile=hostfile)
+    v = facts.versions
+    v["python"] = platform.python_version()
+    v["torch"], v["torch_cuda"] = torch.__version__, torch.version.cuda
+    v["sat"] = _version("SwissArmyTransformer")
+    v["deepspeed"] = _version("deepspeed")
+    v["bitsandbytes"] = _version("bitsandbytes")
+    v["matplotlib"] = _version("matplotlib")
+    v["sat_patches"] = _version("sat_patches")
+    facts.cuda_available = torch.cuda.is_available()
+    if facts.cuda_available:
+        try:
+            v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001  (a build without NCCL)
+            v["nccl"] = None
+    smi = _smi()
+    facts.smi_gpus = None if smi is None else len(smi)
+    drivers = [row[1] for row in smi or [] if len(row) > 1]
+    for i in range(torch.cuda.device_count() if facts.cuda_available else 0):
+        props = torch.cuda.get_device_properties(i)
+        facts.gpus.append({"name": props.name, "memory_gb": round(props.total_memory / 1e9, 1),
+                           "driver": drivers[i] if i < len(drivers) else None})
+    if v["bitsandbytes"]:
+        try:
+            import bitsandbytes.cextension as cext
+            cuda_library = getattr(cext, "CudaBNBNativeLibrary", None)   # bitsandbytes >= 0.44
+            facts.bnb_cuda = bool((cuda_library and isinstance(getattr(cext, "lib", None), cuda_library))
+                                  or getattr(cext, "COMPILED_WITH_CUDA", False))
+        except Exception:  # noqa: BLE001  (bitsandbytes fails to import: reported as no CUDA binary)
+            facts.bnb_cuda = False
+    facts.ninja = shutil.which("ninja") or (_version("ninja") and "python package ninja")
+    mem = _meminfo()
+    facts.host_total_gb, facts.host_available_gb = mem.get("total"), mem.get("available")
+    if os.path.exists(hostfile):
+        try:
+            with open(hostfile) as f:
+                facts.hostfile_text = f.read()
+        except OSError as exc:
+            facts.hostfile_error = str(exc)
+    facts.deepspeed_env = _env_file(".deepspeed_env", os.path.expanduser("~/.deepspeed_env"))
+    try:
+        facts.net_interfaces = sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        facts.net_interfaces = []
+    try:
+        import sat_patches
+        facts.patches = sat_patches.status()
+    except Exception as exc:  # noqa: BLE001
+        facts.patches = [{"name": "import sat_patches", "status": "error", "reason": str(exc), "target": ""}]
+    return facts
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+def check_torch(f: Facts) -> Check:
+    v = f.versions
+    build = f"CUDA {v['torch_cuda']} build" if v.get("torch_cuda") else "CPU build"
+    seen = f.smi_gpus or 0
+    if seen and not v.get("torch_cuda"):
+        return Check("torch", FAIL, f"torch {v['torch']} is a CPU build but nvidia-smi lists {seen} GPU(s)",
+                     "install torch's CUDA build for this driver (https://pytorch.org/get-started/locally/)")
+    if seen and not f.cuda_available:
+        return Check("torch", FAIL, f"torch {v['torch']} ({build}) cannot use the {seen} GPU(s) nvidia-smi lists",
+                     "the driver is older than torch's CUDA or CUDA_VISIBLE_DEVICES hides them: compare "
+                     "`nvidia-smi` (CUDA version) with torch.version.cuda and install a matching torch build")
+    if not f.cuda_available:
+        return Check("torch", INFO, f"torch {v['torch']} ({build}); no GPU: ranks train on CPU over gloo")
+    return Check("torch", OK, f"torch {v['torch']} ({build}), {len(f.gpus)} GPU(s) visible")
+
+
+def check_nccl(f: Facts) -> Check:
+    if not f.cuda_available:
+        return Check("nccl", INFO, "not needed without CUDA (sat_patches gives CPU tensors gloo)")
+    if not f.versions.get("nccl"):
+        return Check("nccl", FAIL, "torch has no NCCL: multi-GPU collectives cannot run",
+                     "install a torch CUDA build from pytorch.org (it bundles NCCL)")
+    return Check("nccl", OK, f"NCCL {f.versions['nccl']}")
+
+
+def check_sat(f: Facts) -> Check:
+    version = f.versions.get("sat")
+    if not version:
+        return Check("sat", FAIL, "SwissArmyTransformer is not installed",
+                     f"pip install SwissArmyTransformer=={VERIFIED_SAT}")
+    if version != VERIFIED_SAT:
+        return Check("sat", WARN, f"SwissArmyTransformer {version}; sat_patches is verified on {VERIFIED_SAT}",
+                     f"pip install SwissArmyTransformer=={VERIFIED_SAT}, or see `sat-patches status` for "
+                     f"patches skipped because SAT's code differs")
+    return Check("sat", OK, f"SwissArmyTransformer {version}")
+
+
+def check_deepspeed(f: Facts) -> Check:
+    version = f.versions.get("deepspeed")
+    if not version:
+        return Check("deepspeed", FAIL, "DeepSpeed is not installed (SAT trains only through DeepSpeed)",
+                     "pip install deepspeed")
+    return Check("deepspeed", OK, f"DeepSpeed {version}")
+
+
+def check_bitsandbytes(f: Facts) -> Check:
+    version = f.versions.get("bitsandbytes")
+    if not version:
+        return Check("bitsandbytes", WARN, "bitsandbytes is not installed: QLoRA (--use_qlora) cannot run",
+                     "pip install bitsandbytes (LoRA without quantisation does not need it)")
+    if f.cuda_available and not f.bnb_cuda:
+        return Check("bitsandbytes", WARN, f"bitsandbytes {version} has no working CUDA binary: QLoRA fails",
+                     "pip install --force-reinstall bitsandbytes (a wheel for your CUDA); check "
+                     "`python -m bitsandbytes`")
+    detail = "CUDA binary loaded" if f.bnb_cuda else "CPU only"
+    return Check("bitsandbytes", OK if f.cuda_available or f.bnb_cuda else INFO, f"bitsandbytes {version} ({detail})")
+
+
+def check_ninja(f: Facts) -> Check:
+    if f.ninja:
+        return Check("ninja", OK, f"ninja found ({f.ninja})")
+    if f.cuda_available:
+        return Check("ninja", WARN, "ninja is missing: DeepSpeed cannot JIT-build FusedAdam/CPU-Adam",
+                     "pip install ninja (or use prebuilt DeepSpeed ops: DS_BUILD_OPS=1 pip install deepspeed)")
+    return Check("ninja", INFO, "ninja is missing; not needed on CPU ranks (sat_patches uses torch's Adam there)")
+
+
+def check_gpus(f: Facts) -> Check:
+    if not f.gpus:
+        return Check("gpus", INFO, "no GPU visible")
+    kinds = sorted({(g["name"], g["memory_gb"]) for g in f.gpus})
+    drivers = sorted({str(g.get("driver")) for g in f.gpus if g.get("driver")})
+    text = ", ".join(f"{sum(1 for g in f.gpus if (g['name'], g['memory_gb']) == k)} x {k[0]} ({k[1]} GB)" for k in kinds)
+    text += f"; driver {', '.join(drivers) or 'unknown'}"
+    if len(kinds) > 1 or len(drivers) > 1:
+        return Check("gpus", WARN, f"mixed GPUs: {text}",
+                     "the smallest card bounds every rank: make only one model visible with CUDA_VISIBLE_DEVICES, "
+                     "and run one driver version")
+    return Check("gpus", OK, text)
+
+
+def check_host_memory(f: Facts) -> Check:
+    if f.host_total_gb is None:
+        return Check("host memory", WARN, "cannot read /proc/meminfo", "check free -g by hand")
+    text = f"{f.host_total_gb:.0f} GB total, {f.host_available_gb:.0f} GB available"
+    if f.host_needed_gb is None:
+        return Check("host memory", INFO, text + "; pass --model (and --gpus/--gpu-mem) to check it against a plan")
+    text += f"; the planned run needs about {f.host_needed_gb:.0f} GB{f.host_needed_note}"
+    if f.host_available_gb < f.host_needed_gb:
+        return Check("host memory", FAIL, text,
+                     "free host memory, run fewer ranks per node, or pick a plan that needs less "
+                     "(`sat-patches plan --host-mem <GB>` lists them; optimizer offload costs host memory)")
+    return Check("host memory", OK, text)
+
+
+def _visible(f: Facts) -> Optional[int]:
+    cvd = f.env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
+    if f.cuda_available:
+        return len(f.gpus)
+    return None
+
+
+def check_ranks_env(f: Facts) -> Check:
+    env, problems, fixes = f.env, [], []
+
+    def number(name, source=env):
+        raw = source.get(name)
+        if raw in (None, ""):
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            problems.append(f"{name}={raw!r} is not a number")
+            fixes.append(f"set {name} to a whole number or unset it")
+            return None
+    lws, ws, rank = number("LOCAL_WORLD_SIZE"), number("WORLD_SIZE"), number("RANK")
+    ds_lws = number("LOCAL_WORLD_SIZE", f.deepspeed_env)
+    visible = _visible(f)
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd and f.smi_gpus:
+        bad = [d for d in cvd.split(",") if d.strip().isdigit() and int(d) >= f.smi_gpus]
+        if bad:
+            problems.append(f"CUDA_VISIBLE_DEVICES={cvd} names GPU {', '.join(bad)} but nvidia-smi lists {f.smi_gpus}")
+            fixes.append(f"use indices 0-{f.smi_gpus - 1}")
+    gpu_run = f.cuda_available or bool(f.smi_gpus)
+    for name, value in (("LOCAL_WORLD_SIZE", lws), (".deepspeed_env LOCAL_WORLD_SIZE", ds_lws)):
+        if value is not None and gpu_run and visible is not None and value > visible:
+            problems.append(f"{name}={value} but {visible} GPU(s) are visible (SAT builds no node groups: "
+                            f"'node group is not initialized')")
+            fixes.append(f"set LOCAL_WORLD_SIZE={visible} (NUM_GPUS_PER_WORKER in upstream's scripts writes it to "
+                         f".deepspeed_env) or unset it")
+    if ws is not None and lws is not None and (ws < lws or ws % lws):
+        problems.append(f"WORLD_SIZE={ws} is not a multiple of LOCAL_WORLD_SIZE={lws}")
+        fixes.append("give every node the same number of ranks, or fix WORLD_SIZE")
+    if ws is not None and rank is not None and rank >= ws:
+        problems.append(f"RANK={rank} but WORLD_SIZE={ws}")
+        fixes.append("unset stale RANK/WORLD_SIZE left in the shell; the launcher sets them")
+    shown = ", ".join(f"{k}={env[k]}" for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "CUDA_VISIBLE_DEVICES")
+                      if k in env) or "no launcher variables set"
+    if f.deepspeed_env:
+        shown += f"; .deepspeed_env: {', '.join(f'{k}={v}' for k, v in f.deepspeed_env.items())}"
+    if problems:
+        return Check("ranks env", FAIL, "; ".join(problems), "; ".join(fixes))
+    return Check("ranks env", OK, shown)
+
+
+_HOST_LINE = re.compile(r"^\s*(\S+)(\s+slots\s*=\s*(\d+))?\s*(#.*)?$")
+
+
+def check_hostfile(f: Facts) -> Check:
+    if f.hostfile_error:
+        return Check("hostfile", FAIL, f"{f.hostfile} cannot be read: {f.hostfile_error}",
+                     "fix its permissions, or drop --hostfile for a single node")
+    if f.hostfile_text is None:
+        return Check("hostfile", INFO, f"no {f.hostfile}: the DeepSpeed launcher uses every local GPU (one node)")
+    hosts, bad = [], []
+    for line in f.hostfile_text.splitlines():
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        m = _HOST_LINE.match(line)
+        if not m or not m.group(2):
+            bad.append(line.strip())
+        else:
+            hosts.append((m.group(1), int(m.group(3))))
+    if bad or not hosts:
+        what = f"lines DeepSpeed cannot parse: {bad[:3]}" if bad else "no hosts"
+        return Check("hostfile", FAIL, f"{f.hostfile}: {what}",
+                     "write one 'hostname slots=<GPUs>' line per node")
+    return Check("hostfile", OK, f"{f.hostfile}: {len(hosts)} host(s), {sum(s for _, s in hosts)} slots")
+
+
+def _alloc_conf_problems(value: str):
+    """(malformed items, unknown option names) of a PYTORCH_CUDA_ALLOC_CONF value."""
+    malformed, unknown = [], []
+    for item in filter(None, (p.strip() for p in value.split(","))):
+        key, sep, val = item.partition(":")
+        if not sep or not val.strip():
+            malformed.append(f"'{item}' is not option:value")
+        elif key.strip() not in ALLOC_CONF_KEYS:
+            unknown.append(key.strip())
+    return malformed, unknown
+
+
+def _usable_interfaces(ifname: str, interfaces: List[str]) -> List[str]:
+    """NCCL's reading: comma-separated prefixes; a leading ^ excludes them, a leading = matches exactly."""
+    exclude = ifname.startswith("^")
+    rest = ifname.lstrip("^")
+    exact = rest.startswith("=")
+    names = [w.strip() for w in rest.lstrip("=").split(",") if w.strip()]
+    def matches(i):
+        return any(i == w if exact else i.startswith(w) for w in names)
+    return [i for i in interfaces if matches(i) != exclude]
+
+
+def check_comm_env(f: Facts) -> Check:
+    env = f.env
+    shown = sorted(k for k in env if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "PYTORCH_CUDA_ALLOC_CONF")
+    fails, warns = [], []
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    malformed, unknown = _alloc_conf_problems(conf or "")
+    example = "use e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or max_split_size_mb:128"
+    if malformed:
+        fails.append((f"PYTORCH_CUDA_ALLOC_CONF={conf}: {'; '.join(malformed)} (torch raises at the first CUDA "
+                      f"allocation)", example))
+    if unknown:
+        warns.append((f"PYTORCH_CUDA_ALLOC_CONF={conf}: option(s) {', '.join(unknown)} unknown to torch 2.x "
+                      f"(a typo raises at the first CUDA allocation)", example))
+    ifname = env.get("NCCL_SOCKET_IFNAME")
+    if ifname and f.net_interfaces and not _usable_interfaces(ifname, f.net_interfaces):
+        fails.append((f"NCCL_SOCKET_IFNAME={ifname} matches no interface here ({', '.join(f.net_interfaces)})",
+                      "set it to an interface `ip addr` lists, or unset it"))
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        if env.get(name) == "0":
+            warns.append((f"{name}=0: a timed-out NCCL collective never aborts, the job hangs",
+                          f"unset {name} (sat_patches' hang watchdog still dumps stacks)"))
+    if env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
+        warns.append((f"NCCL_DEBUG={env['NCCL_DEBUG']}: very verbose logs", "unset NCCL_DEBUG once NCCL works"))
+    text = ", ".join(f"{k}={env[k]}" for k in shown) or "no NCCL_*/PYTORCH_CUDA_ALLOC_CONF set"
+    if fails:
+        return Check("nccl/alloc env", FAIL, "; ".join(p for p, _ in fails), "; ".join(x for _, x in fails))
+    if warns:
+        return Check("nccl/alloc env", WARN, "; ".join(p for p, _ in warns), "; ".join(x for _, x in warns))
+    return Check("nccl/alloc env", OK, text)
+
+
+def check_collective_timeout(f: Facts) -> Check:
+    from ..patches.hangs import ENV
+    from ..core.settings import env_seconds
+    raw = f.env.get(ENV, "").strip()
+    if not raw:
+        return Check("hang dumps", INFO, f"{ENV} unset: a stuck collective is dumped after torch's default 30 min")
+    try:
+        seconds = env_seconds(ENV, environ=f.env)
+    except ValueError as exc:
+        return Check("hang dumps", FAIL, str(exc), f"set {ENV}=1800 (seconds) or unset it")
+    return Check("hang dumps", OK, f"a collective stuck {seconds:g} s dumps every rank's stacks and ends the run")
+
+
+def check_patches(f: Facts) -> Check:
+    bad = [p for p in f.patches if p.get("status") not in ("applied", "disabled", "not needed")]
+    disabled = [p["name"] for p in f.patches if p.get("status") == "disabled"]
+    applied = sum(1 for p in f.patches if p.get("status") == "applied")
+    if bad:
+        return Check("patches", WARN, f"{len(bad)} not applied: " + "; ".join(f"{p['name']} ({p['status']}: "
+                                                                            f"{p.get('reason', '')[:80]})" for p in bad[:3]),
+                     "see `sat-patches status`; a skipped patch means SAT's code differs from 0.4.12")
+    text = f"{applied} applied" + (f", disabled: {', '.join(disabled)}" if disabled else "")
+    return Check("patches", OK, text)
+
+
+def check_report_deps(f: Facts) -> Check:
+    if f.versions.get("matplotlib"):
+        return Check("report", OK, f"matplotlib {f.versions['matplotlib']} (sat-patches report draws PNGs)")
+    return Check("report", WARN, "matplotlib is missing: sat-patches report cannot draw the memory ledger",
+                 "pip install 'sat_patches[report]'")
+
+
+CHECKS: List[Callable[[Facts], Check]] = [
+    check_torch, check_nccl, check_sat, check_deepspeed, check_bitsandbytes, check_ninja, check_gpus,
+    check_host_memory, check_ranks_env, check_hostfile, check_comm_env, check_collective_timeout, check_patches,
+    check_report_deps,
+]
+
+
+def run(facts: Facts) -> List[Check]:
+    return [check(facts) for check in CHECKS]
+
+
+def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optional[float]) -> None:
+    """Fill ``host_needed_gb`` from the plan ``sat-patches plan`` would recommend."""
+    from . import plan
+    gpus = gpus or len(facts.gpus)
+    gpu_mem = gpu_mem or (min(g["memory_gb"] for g in facts.gpus) if facts.gpus else None)
+    if not gpus or not gpu_mem:
+        facts.host_needed_note = ""
+        return
+    config = plan.resolve_model(model)
+    best = plan.recommend(plan.options(config, gpus, gpu_mem, seq_len=plan.default_seq_len(config)))
+    if best is None:
+        facts.host_needed_note = f" (no plan fits {gpus} x {gpu_mem:g} GB for {model})"
+        return
+    e = best.estimate
+    facts.host_needed_gb = e.host_node / plan.GB
+    facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SAT 0.4.12 without sat_patches: "
+                              f"~{e.host_stock_node / plan.GB:.0f} GB)")
+
+
+def format_checks(checks: List[Check], facts: Facts) -> str:
+    v = facts.versions
+    lines = [f"sat-patches doctor (sat_patches {v.get('sat_patches') or '?'}, python {v.get('python')}, "
+             f"{platform.system().lower()})"]
+    for c in checks:
+        lines.append(f" {c.status:<5} {c.name:<15} {c.summary}")
+        if c.fix and c.status in (FAIL, WARN):
+            lines.append(f" {'':<5} {'':<15} -> {c.fix}")
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    lines.append(f"{fails} blocking problem(s), {warns} warning(s)." if fails or warns else "no problems found.")
+    return "\n".join(lines)
+
+
+def cmd_doctor(args) -> int:
+    facts = gather(args.hostfile)
+    if args.model:
+        plan_host_need(facts, args.model, args.gpus, args.gpu_mem)
+    checks = run(facts)
+    if args.json:
+        print(json.dumps({"checks": [asdict(c) for c in checks], "versions": facts.versions,
+                          "blocking": sum(c.status == FAIL for c in checks)}, indent=1))
+    else:
+        print(format_checks(checks, facts))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check this machine for a multi-GPU SAT fine-tuning run (exit 1 when blocked)")
+    p.add_argument("--model", default=None, help="check host RAM against this model's plan (see `plan --model`)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs per node of the planned run (default: visible)")
+    p.add_argument("--gpu-mem", type=float, default=None, help="GB per GPU of the planned run (default: visible)")
+    p.add_argument("--hostfile", default="hostfile", help="DeepSpeed hostfile to check (default ./hostfile)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)

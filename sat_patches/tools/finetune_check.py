@@ -1,0 +1,103 @@
+"""Checks the finetune scripts run before launching: one clear message, with the fix, per problem.
+
+    python -m sat_patches.tools.finetune_check     # reads the scripts' environment variables
+
+Reads NUM_GPUS_PER_WORKER, MP_SIZE, NNODES, LOCAL_WORLD_SIZE, HOST_FILE, MODEL_TYPE, and
+CPU_RANKS (set for the CPU demo: ranks are processes, not GPUs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import List, Optional
+
+# attention heads of the language model (MP_SIZE must divide them); upstream model_config.json
+MODEL_HEADS = {
+    "cogvlm-base-224": 32, "cogvlm-base-490": 32, "cogvlm-chat-v1.1": 32, "cogvlm-grounding-base": 32,
+    "cogvlm-grounding-generalist": 32, "cogagent-chat": 32, "cogagent-vqa": 32,
+}
+
+
+def _int(env: dict, name: str, default: Optional[int], errors: List[str]) -> Optional[int]:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        errors.append(f"{name}={raw!r} is not a whole number: set {name} to a positive integer, e.g. {name}={default or 1}.")
+        return None
+    if value < 1:
+        errors.append(f"{name}={value} must be at least 1: set {name}={default or 1} or larger.")
+        return None
+    return value
+
+
+def visible_gpus(env: dict) -> Optional[int]:
+    """GPUs this node can use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list; None if unknown."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    return 0
+
+
+def model_heads(env: dict) -> Optional[int]:
+    source = env.get("FROM_PRETRAINED") or env.get("MODEL_TYPE", "")
+    config = os.path.join(source, "model_config.json")
+    if source and os.path.isfile(config):
+        with open(config) as f:
+            return json.load(f).get("num_attention_heads")
+    return MODEL_HEADS.get(os.path.basename(source.rstrip("/")))
+
+
+def check(env: dict) -> List[str]:
+    errors: List[str] = []
+    cpu = env.get("CPU_RANKS") not in (None, "", "0")
+    per_node = _int(env, "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER", 8, errors)
+    mp = _int(env, "MP_SIZE", 1, errors)
+    nnodes = _int(env, "NNODES", 1, errors)
+    if None in (per_node, mp, nnodes):
+        return errors
+    world = per_node * nnodes
+    unit = "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER"
+    if world % mp:
+        fits = [d for d in range(1, world + 1) if world % d == 0]
+        errors.append(f"MP_SIZE={mp} does not divide the world size {world} ({unit}={per_node} x NNODES={nnodes}): "
+                      f"set MP_SIZE to one of {fits}, or change {unit}.")
+    heads = model_heads(env)
+    if heads and heads % mp:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0 and d <= max(world, 1)]
+        errors.append(f"MP_SIZE={mp} does not divide the {heads} attention heads of {env.get('MODEL_TYPE')}: "
+                      f"set MP_SIZE to one of {fits}.")
+    if not cpu:
+        visible = visible_gpus(env)
+        if visible is not None and per_node > visible:
+            errors.append(f"NUM_GPUS_PER_WORKER={per_node} but this node has {visible} visible GPU(s): set "
+                          f"NUM_GPUS_PER_WORKER={visible} (or make more GPUs visible via CUDA_VISIBLE_DEVICES).")
+    lws = env.get("LOCAL_WORLD_SIZE")
+    if lws not in (None, "") and lws != str(per_node):
+        errors.append(f"LOCAL_WORLD_SIZE={lws} but each node runs {per_node} ranks ({unit}): SAT would build no "
+                      f"node groups and model-parallel loading fails ('node group is not initialized'). Unset "
+                      f"LOCAL_WORLD_SIZE or set LOCAL_WORLD_SIZE={per_node} (also in .deepspeed_env).")
+    hostfile = env.get("HOST_FILE")
+    if hostfile and not os.path.isfile(hostfile):
+        errors.append(f"HOST_FILE={hostfile} does not exist: create it (lines 'host slots=N') or unset HOST_FILE "
+                      f"for a single node.")
+    return errors
+
+
+def main(env=None) -> int:
+    errors = check(dict(os.environ) if env is None else env)
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 2 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""What ``finetune_examples/finetune_cog{vlm,agent}.sh`` run, from their environment variables.
+
+Three modes, chosen in this order:
+- checkout: the script sits in a CogVLM checkout's ``finetune_demo/`` (upstream's demo is beside it):
+  that demo runs through ``sat_patches.launch`` under DeepSpeed, with upstream's options;
+- GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
+  ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
+- CPU demo (no GPU): a tiny randomly initialised model of the same architecture on generated CAPTCHA
+  data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP) and reloaded.
+
+``DRY_RUN=1`` prints the commands instead of running them.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import subprocess
+import sys
+from typing import Dict, List
+
+from .finetune_check import check, visible_gpus
+from ..testing.multirank import free_port
+
+UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
+
+# upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
+DEFAULTS = {
+    "NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "1", "NNODES": "1", "HOST_FILE": "", "VERSION": "base",
+    "TOKENIZER": "lmsys/vicuna-7b-v1.5", "TRAIN_DATA": "./archive_split/train", "VALID_DATA": "./archive_split/valid",
+    "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
+    "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
+}
+KIND_DEFAULTS = {
+    "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
+    "cogagent": {"MODEL_TYPE": "cogagent-chat", "VERSION": "chat", "MAX_LENGTH": "400", "LORA_RANK": "50",
+                 "TRAIN_ITERS": "2000"},
+}
+# no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
+CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "80", "LORA_RANK": "4",
+                "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
+                "CHECKPOINT_ACTIVATIONS": "0"}
+
+
+def settings(environ: Dict[str, str]) -> Dict[str, str]:
+    """The run's settings: the environment over the mode's defaults over upstream's."""
+    kind = environ.get("MODEL_KIND", "cogvlm")
+    if kind not in KIND_DEFAULTS:
+        raise SystemExit(f"error: MODEL_KIND={kind!r}: use cogvlm or cogagent")
+    env = {**DEFAULTS, **KIND_DEFAULTS[kind], "MODEL_KIND": kind}
+    if mode({**env, **environ}) == "cpu":
+        env.update(CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}", WORK_DIR=os.path.abspath(f"sat_patches_demo/{kind}"))
+    env.update({k: v for k, v in environ.items() if v != "" or k not in env})
+    return env
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "finetune_examples", "configs")
+
+
+def _config(env: Dict[str, str], name: str) -> str:
+    base = env.get("SCRIPT_DIR") or CONFIGS
+    for folder in (os.path.join(base, "configs"), base, CONFIGS):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    return name
+
+
+def mode(env: Dict[str, str]) -> str:
+    kind = env["MODEL_KIND"]
+    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])):
+        return "checkout"
+    return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
+
+
+def train_options(env: Dict[str, str], **paths) -> List[str]:
+    """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in."""
+    opts = [
+        "--experiment-name", f"finetune-{os.path.basename(env['MODEL_TYPE'].rstrip('/'))}",
+        "--model-parallel-size", env["MP_SIZE"], "--mode", "finetune", "--train-iters", env["TRAIN_ITERS"],
+        "--resume-dataloader", "--from_pretrained", paths.get("model", env["MODEL_TYPE"]),
+        "--max_length", env["MAX_LENGTH"], "--lora_rank", env["LORA_RANK"], "--use_lora",
+        "--local_tokenizer", paths.get("tokenizer", env["TOKENIZER"]), "--version", env["VERSION"],
+        "--train-data", paths.get("train", env["TRAIN_DATA"]), "--valid-data", paths.get("valid", env["VALID_DATA"]),
+        "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",
+        "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
+        "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
+        "--split", "1.", "--deepspeed_config", paths.get("ds_config", _config(env, env["DS_CONFIG"])),
+        "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
+    ]
+    if env.get("LAYER_RANGE"):
+        opts += ["--layer_range", *env["LAYER_RANGE"].split()]
+    if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":
+        opts += ["--checkpoint-activations", "--vit_checkpoint_activations"]
+    return opts + shlex.split(env.get("EXTRA_ARGS", ""))
+
+
+def deepspeed_command(env: Dict[str, str], program: List[str], options: List[str]) -> List[str]:
+    cmd = ["deepspeed", "--master_port", env["MASTER_PORT"]]
+    if env.get("HOST_FILE"):
+        cmd += ["--hostfile", env["HOST_FILE"]]
+    else:
+        cmd += ["--num_gpus", env["NUM_GPUS_PER_WORKER"]]
+    return cmd + ["--module", "sat_patches.launch", *program, *options]
+
+
+def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[str]]:
+    if checkout:
+        program = [os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])]
+    else:
+        program = ["-m", "sat_patches.finetune", "train", "--kind", kind]
+    return [deepspeed_command(env, program, train_options(env))]
+
+
+def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
+    work = env["WORK_DIR"]
+    py = sys.executable
+    paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
+                 train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"),
+                 save=os.path.join(work, "checkpoints"), ds_config=_config(env, "cpu_demo.json"))
+    options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
+    return [
+        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
+        ["torchrun", "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+         "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
+        [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
+        [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
+         "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
+         "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
+    ]
+
+
+def latest_checkpoint(save_dir: str) -> str:
+    runs = [d for d in glob.glob(os.path.join(save_dir, "*")) if os.path.isfile(os.path.join(d, "latest"))]
+    if not runs:
+        raise SystemExit(f"error: training wrote no checkpoint under {save_dir}")
+    return max(runs, key=os.path.getmtime)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__ + "\nSettings and upstream defaults:\n" + "\n".join(
+            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()))
+        return 0
+    env = settings(dict(os.environ))
+    kind, run_mode = env["MODEL_KIND"], mode(env)
+    env.setdefault("MASTER_PORT", "16666" if run_mode != "cpu" else str(free_port()))
+    errors = check(env)
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    commands = cpu_commands(env, kind) if run_mode == "cpu" else gpu_commands(env, kind, run_mode == "checkout")
+    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
+    run_env = env if run_mode == "cpu" else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+    run_env = {k: v for k, v in run_env.items() if not (run_mode == "cpu" and k == "LOCAL_WORLD_SIZE")}
+    print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}", flush=True)
+    for cmd in commands:
+        if "{checkpoint}" in cmd:
+            cmd = [latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
+                   for c in cmd] if env.get("DRY_RUN") != "1" else cmd
+        print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+        if env.get("DRY_RUN") == "1":
+            continue
+        code = subprocess.call(cmd, env=run_env)
+        if code != 0:
+            print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""``sat-patches report RUN_DIR``: draw the memory ledger of a run as a PNG, one line per rank.
+
+Host RSS over time on top; CUDA max allocated underneath when the run used CUDA. Each rank's
+phases (build, load, lora, deepspeed_init, first_step) are marked on its line. Needs matplotlib
+(``pip install 'sat_patches[report]'``).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from ..patches import ledger
+
+FIGSIZE, DPI = (10, 6), 100
+MARKED = ("build", "load", "split", "lora", "deepspeed_init", "first_step")
+
+
+def draw(run_dir: str, out: Optional[str] = None) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("sat-patches report needs matplotlib: pip install 'sat_patches[report]' "
+                         "(or pip install matplotlib)") from exc
+    rows = ledger.read(run_dir)
+    if not rows:
+        raise SystemExit(f"{os.path.join(run_dir, ledger.CSV_NAME)} has no rows")
+    t0 = min(r.time for r in rows)
+    ranks = sorted({r.rank for r in rows})
+    cuda = any(r.cuda_max_alloc_mib for r in rows)
+    fig, axes = plt.subplots(2 if cuda else 1, 1, figsize=FIGSIZE, dpi=DPI, sharex=True, squeeze=False)
+    series = [("rss_mib", "host RSS (GiB)")] + ([("cuda_max_alloc_mib", "CUDA max allocated (GiB)")] if cuda else [])
+    for ax, (key, label) in zip(axes[:, 0], series):
+        for rank in ranks:
+            mine = sorted((r for r in rows if r.rank == rank), key=lambda r: r.time)
+            xs, ys = [r.time - t0 for r in mine], [getattr(r, key) / 1024 for r in mine]
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=f"rank {rank}")
+            if rank == ranks[0]:
+                marked = [(r, x, y) for r, x, y in zip(mine, xs, ys) if r.phase in MARKED]
+                for i, (r, x, y) in enumerate(marked):  # alternate above/below: phases often coincide
+                    ax.annotate(r.phase, (x, y), textcoords="offset points", xytext=(3, 6 if i % 2 else -11),
+                                fontsize=7, color="0.35")
+        ax.set_ylabel(label)
+        ax.grid(True, color="0.9")
+    axes[0, 0].legend(loc="upper left", fontsize=8, ncol=min(len(ranks), 8))
+    flags = ledger.flagged(rows)
+    title = f"memory ledger: {os.path.basename(os.path.abspath(run_dir))}, {len(ranks)} rank(s)"
+    far = sorted(set(flags["host"]) | set(flags["cuda"]))
+    if far:
+        title += f"; far above the others: rank {', '.join(map(str, far))}"
+    axes[0, 0].set_title(title, fontsize=10)
+    axes[-1, 0].set_xlabel("seconds since the first record")
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, ledger.PNG_NAME)
+    fig.savefig(out, dpi=DPI)
+    plt.close(fig)
+    return out
+
+
+def summary(rows: List[ledger.Row], run_dir: str) -> str:
+    return ledger.format_table(ledger.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
+
+
+def cmd_report(args) -> int:
+    path = draw(args.run_dir, args.out)
+    print(summary(ledger.read(args.run_dir), args.run_dir))
+    print(f"wrote {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="draw a run's memory ledger (memory over time per rank) as a PNG")
+    p.add_argument("run_dir", help="the run directory holding memory_ledger.csv")
+    p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger.PNG_NAME})")
+    p.set_defaults(func=cmd_report)

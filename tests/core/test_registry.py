@@ -1,0 +1,140 @@
+"""The patch registry: applied once, idempotent, reversible, gated on SAT's code shape."""
+import json
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+
+import sat_patches
+from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, expect_names, expect_params
+from sat_patches.testing import patches_removed
+
+STATUS_SNIPPET = "import json, sat_patches; print('STATUS' + json.dumps(sat_patches.status()))"
+
+
+def _status_in_subprocess(code, env=None):
+    import os
+    e = dict(os.environ, **(env or {}))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("STATUS"))
+    return {r["name"]: r for r in json.loads(line[len("STATUS"):])}, out
+
+
+@pytest.mark.parametrize("order", ["import sat, sat_patches", "import sat_patches, sat"])
+def test_every_patch_applied_in_either_import_order(order):
+    rows, _ = _status_in_subprocess(f"{order}; {STATUS_SNIPPET}")
+    assert set(rows) == set(sat_patches.names())
+    not_applied = {n: r for n, r in rows.items() if r["status"] != "applied"}
+    assert not not_applied, not_applied
+
+
+def test_second_apply_changes_nothing():
+    before = {p.name: p.current() for p in sat_patches.core.registry.REGISTRY.patches}
+    rebound = {p.name: list(p.rebound) for p in sat_patches.core.registry.REGISTRY.patches}
+    sat_patches.apply()
+    import sat_patches as again  # a second import is the same module, nothing re-runs
+    again.apply()
+    after = {p.name: p.current() for p in sat_patches.core.registry.REGISTRY.patches}
+    assert all(after[n] is before[n] for n in before)
+    assert {p.name: list(p.rebound) for p in sat_patches.core.registry.REGISTRY.patches} == rebound
+
+
+def test_replacements_are_marked_and_wrap_the_original():
+    import sat.arguments
+    patch = sat_patches.core.registry.REGISTRY.get("get_args_cpu_device")
+    assert sat.arguments.get_args.__sat_patches__ == "get_args_cpu_device"
+    assert sat.arguments.get_args.__wrapped__ is patch.original
+
+
+def test_from_import_aliases_are_rebound_and_restored():
+    import sat
+    import sat.mpu
+    import sat.mpu.data
+    patch = sat_patches.core.registry.REGISTRY.get("broadcast_data_device")
+    # sat/mpu/__init__.py did `from .data import broadcast_data`; sat/__init__ `from .arguments import get_args`
+    assert sat.mpu.broadcast_data is sat.mpu.data.broadcast_data is patch.replacement
+    assert sat.get_args is sat.arguments.get_args
+    with patches_removed():
+        assert sat.mpu.broadcast_data is sat.mpu.data.broadcast_data is patch.original
+        assert getattr(sat.get_args, "__sat_patches__", None) is None
+        assert not sat_patches.is_patched("broadcast_data_device")
+        assert {r["status"] for r in sat_patches.status()} == {"restored"}
+    assert sat_patches.is_patched("broadcast_data_device")
+    assert sat.mpu.broadcast_data is patch.replacement
+
+
+def test_disable_env_turns_single_patches_off():
+    rows, _ = _status_in_subprocess(STATUS_SNIPPET, env={"SAT_PATCHES_DISABLE": "timers_cuda_sync,get_args_cpu_device"})
+    assert rows["timers_cuda_sync"]["status"] == "disabled"
+    assert rows["get_args_cpu_device"]["status"] == "disabled"
+    assert rows["broadcast_data_device"]["status"] == "applied"
+
+
+def _fake_target():
+    module = types.ModuleType("satp_fake_target")
+
+    def sat_function(x):
+        return x + 1
+    module.sat_function = sat_function
+    alias_holder = types.ModuleType("sat.satp_fake_alias")  # a 'sat.*' module that did `from x import y`
+    alias_holder.sat_function = sat_function
+    sys.modules["satp_fake_target"] = module
+    sys.modules["sat.satp_fake_alias"] = alias_holder
+    return module, alias_holder
+
+
+def test_unexpected_code_shape_is_skipped_with_one_warning_and_force_applies(monkeypatch):
+    module, alias = _fake_target()
+    reg = Registry()
+    reg.add(Patch("fake", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) * 10),
+                  answers="test", expect=expect_names("torch_cuda_only_name")))
+    monkeypatch.delenv("SAT_PATCHES_FORCE", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reg.apply_all()
+    messages = [str(w.message) for w in caught if issubclass(w.category, SatPatchesWarning)]
+    assert len(messages) == 1 and "torch_cuda_only_name" in messages[0] and "SAT_PATCHES_FORCE" in messages[0]
+    assert reg.table()[0]["status"] == "skipped" and module.sat_function(1) == 2
+    monkeypatch.setenv("SAT_PATCHES_FORCE", "1")
+    reg.apply_all()
+    assert reg.table()[0]["status"] == "applied" and module.sat_function(1) == 20
+    assert alias.sat_function is module.sat_function  # alias rebound
+    reg.unpatch_all()
+    assert module.sat_function(1) == 2 and alias.sat_function(1) == 2
+
+
+def test_expect_params_names_missing_parameter():
+    def f(a, b):
+        pass
+    assert expect_params("a", "b")(f) is None
+    assert "parser" in expect_params("a", "parser")(f)
+
+
+def test_cli_status_prints_every_patch():
+    out = subprocess.run([sys.executable, "-m", "sat_patches", "status", "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    rows = json.loads("\n".join(lines[lines.index("["):]))  # DeepSpeed logs to stdout before it
+    assert [r["name"] for r in rows] == sat_patches.names()
+
+
+def test_unpatching_one_of_two_stacked_patches_keeps_the_other():
+    module, _ = _fake_target()
+    reg = Registry()
+    reg.add(Patch("inner", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) * 10), answers="t"),
+            Patch("outer", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) + 5), answers="t"))
+    reg.apply_all()
+    assert module.sat_function(1) == 25
+    with pytest.raises(RuntimeError, match="'outer' wraps it"):
+        reg.get("inner").restore()
+    reg.restore(["inner"])
+    assert module.sat_function(1) == 7  # outer alone, over the original
+    assert [r["status"] for r in reg.table()] == ["restored", "applied"]
+    reg.apply_all()
+    assert module.sat_function(1) == 25  # registration order again: outer over inner
+    reg.unpatch_all()
+    assert module.sat_function(1) == 2

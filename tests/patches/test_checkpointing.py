@@ -1,0 +1,121 @@
+"""Atomic checkpoint saves (issue 7 item 2): a tiny LoRA run at MP=2 on 2 CPU ranks saves iteration 2,
+then rank 1 is SIGKILLed half-way through writing its shard of iteration 4. With the patch, ``latest``
+still names 2 and iteration 2 loads; with stock SAT, ``latest`` names the half-written iteration 4.
+
+Also runnable as a script (what each rank runs): ``tests/patches/test_checkpointing.py <tiny_lora args>`` with
+``CRASH_RANK``/``CRASH_SAVE`` set kills that rank in its CRASH_SAVE-th shard write.
+"""
+import glob
+import os
+import signal
+import sys
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+ARGS = ["--model-parallel-size", "2", "--train-iters", "4", "--save-interval", "2", "--no-save-rng",
+        "--lora-rank", "2"]
+
+
+def _crash_in_save_hook():
+    """Rank CRASH_RANK writes half of its CRASH_SAVE-th ``mp_rank_*`` file, then SIGKILLs itself."""
+    import torch
+    if os.environ.get("EMA_CHECK_SHIM"):
+        # stock SAT's save reads optimizer.optimizer (absent on a bare AdamW; the patch handles it)
+        torch.optim.AdamW.optimizer = None
+    rank, nth = os.environ.get("CRASH_RANK"), int(os.environ.get("CRASH_SAVE", "0"))
+    if rank is None or os.environ["RANK"] != rank:
+        return
+    original, calls = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and os.path.basename(str(f)).startswith("mp_rank_"):
+            calls[0] += 1
+            if calls[0] == nth:
+                original(obj, f, *args, **kwargs)
+                size = os.path.getsize(f)
+                with open(f, "r+b") as fh:       # as if killed part-way through the write
+                    fh.truncate(size // 2)
+                print(f"CRASHING rank {rank} in save of {f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(obj, f, *args, **kwargs)
+    torch.save = save
+
+
+def _run(tmp_path, patches, env=()):
+    from sat_patches.testing import run_script
+    save = str(tmp_path / "ckpt")
+    results = run_script([HERE, *ARGS, "--save", save], nranks=2, timeout=150, patches=patches,
+                         env={"CRASH_RANK": "1", "CRASH_SAVE": "2", "SAT_PATCHES_COLLECTIVE_TIMEOUT": "20",
+                              "SAT_PATCHES_HEARTBEAT_TIMEOUT": "5", **dict(env)})
+    runs = glob.glob(os.path.join(save, "*", "latest"))
+    assert len(runs) == 1, (runs, [r.output[-3000:] for r in results])
+    assert "CRASHING rank 1" in results[1].output, results[1].output[-3000:]
+    assert all(not r.timed_out for r in results)
+    return os.path.dirname(runs[0]), results
+
+
+@pytest.mark.multirank
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
+    from sat_patches.patches.loading import find_checkpoint, read_model_config
+    run, results = _run(tmp_path, patches=True)
+    with open(os.path.join(run, "latest")) as f:
+        assert f.read().strip() == "2"
+    ckpt = find_checkpoint(run)
+    assert ckpt.iteration == 2 and ckpt.mp_size == 2
+    for shard in range(2):
+        sd = ckpt.open(shard)
+        assert sd["iteration"] == 2
+        assert any("matrix_A" in k for k in sd["module"]) and any("matrix_B" in k for k in sd["module"])
+    assert read_model_config(run)["model_parallel_size"] == 2
+    assert not os.path.exists(os.path.join(run, "4"))          # the crashed save never appeared
+    assert results[1].returncode != 0
+    assert results[0].returncode != 0 and "rank 1 stopped (no heartbeat" in results[0].output   # survivor names it
+
+
+@pytest.mark.multirank
+def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
+    """Fails without the patch's effect: stock SAT points 'latest' at the half-written iteration."""
+    from sat_patches.patches.loading import CheckpointError, find_checkpoint
+    run, _ = _run(tmp_path, patches=["atomic_checkpoint_save"], env={"EMA_CHECK_SHIM": "1"})
+    with open(os.path.join(run, "latest")) as f:
+        assert f.read().strip() == "4"
+    with pytest.raises(CheckpointError):
+        find_checkpoint(run)
+
+
+def test_publish_replaces_existing_iteration_atomically(tmp_path):
+    """Re-saving an existing iteration (SAT's final save) swaps the directory; latest written last."""
+    import torch
+    from sat_patches.patches.checkpointing import publish
+    from sat_patches.patches.loading import find_checkpoint
+    save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
+    for d, value in ((save / "4", 1.0), (staged / "4", 2.0)):
+        d.mkdir(parents=True)
+        torch.save({"module": {"w": torch.tensor(value)}}, d / "mp_rank_00_model_states.pt")
+    (save / "latest").write_text("4")
+    (staged / "latest").write_text("4")
+    (staged / "model_config.json").write_text('{"num_layers": 1}')
+    publish(str(staged), str(save))
+    assert float(find_checkpoint(str(save)).open(0)["module"]["w"]) == 2.0
+    assert sorted(os.listdir(save)) == ["4", "latest", "model_config.json"]
+
+
+def test_publish_refuses_incomplete_staging(tmp_path):
+    import torch
+    from sat_patches.patches.checkpointing import publish
+    from sat_patches.patches.loading import CheckpointError
+    save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
+    (staged / "4").mkdir(parents=True)
+    torch.save({"module": {}}, staged / "4" / "mp_rank_01_model_states.pt")   # shard 0 missing
+    (staged / "latest").write_text("4")
+    (save / "latest").write_text("2")
+    with pytest.raises(CheckpointError, match="lacks model-parallel shard"):
+        publish(str(staged), str(save))
+    assert (save / "latest").read_text() == "2"
+
+
+if __name__ == "__main__":
+    _crash_in_save_hook()
+    from sat_patches.testing.tiny_lora import main
+    sys.exit(main(sys.argv[1:]))

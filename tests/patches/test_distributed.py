@@ -1,0 +1,105 @@
+"""'No backend type associated with device type cpu': reproduced through SAT on CPU with a simulated
+CUDA-only backend (like NCCL), and gone with sat_patches."""
+import re
+import warnings
+
+import pytest
+import torch
+
+import sat_patches
+from sat_patches.patches import devices
+from sat_patches.patches.distributed import process_group_backend, training_device
+from sat_patches.testing import run_ranks, run_script
+from sat_patches.testing.fake_backend import register_cuda_only_backend
+
+SCRIPT = ["-m", "sat_patches.testing.tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
+
+
+def test_backend_policy_gives_cpu_tensors_a_backend():
+    register_cuda_only_backend("fakenccl")
+    assert process_group_backend("fakenccl") == "cpu:gloo,cuda:fakenccl"
+    assert process_group_backend("cuda:fakenccl") == "cpu:gloo,cuda:fakenccl"
+    assert process_group_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo") == "gloo"
+    # nccl on a machine without CUDA: gloo; with CUDA and NCCL: both
+    assert process_group_backend("nccl") == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+
+@pytest.mark.multirank
+def test_sat_parameter_sync_fails_on_a_cuda_only_group_and_names_the_tensor():
+    results = run_script(SCRIPT, nranks=2, timeout=240, patches=["process_group_backend"])
+    for r in results:
+        assert r.returncode not in (0, None) and not r.timed_out
+        assert "RuntimeError: No backend type associated with device type cpu" in r.output
+        # the explanation names SAT's call site and a parameter
+        assert "Syncing initialized parameters" in r.output and re.search(r"tensor '[\w.]+' is on cpu", r.output)
+
+
+@pytest.mark.multirank
+def test_with_sat_patches_the_same_run_trains():
+    results = run_script(SCRIPT, nranks=2, timeout=240)
+    for r in results:
+        assert r.ok, r.output[-4000:]
+    assert "iteration       12/      12" in results[0].output
+
+
+def test_qlora_demo_cpu_device_is_overridden_when_cuda_computes(monkeypatch):
+    class Args:
+        device = "cpu"
+    monkeypatch.setattr(devices, "compute_device", lambda: torch.device("cuda", 1))
+    with pytest.warns(sat_patches.SatPatchesWarning, match="back to CPU"):
+        assert training_device(Args(), model_given=True) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert training_device(Args(), model_given=False) == "cpu"  # SAT builds the model itself
+
+
+TINY_EXPERT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1024, inner_hidden_size=128,
+                   num_vision_layers=1)
+
+
+def save_mp1_checkpoint(ckpt_dir):
+    import torch.distributed as dist
+    from sat import mpu
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1)
+    cfg = el.config(**TINY_EXPERT)
+    el.write_checkpoint(el.model_class()(el.build_args(cfg)), cfg, ckpt_dir)
+
+
+def from_pretrained_mp2_on_cuda_only_group(ckpt_dir):
+    """Every rank: the group created through SAT's initialize_distributed with a CUDA-only backend (as
+    NCCL) at model-parallel size 2 (CogVLM's demo: --model-parallel-size 2), then
+    from_pretrained(MP=1 checkpoint, overwrite_args={'model_parallel_size': 2})."""
+    import argparse
+    import os
+    import torch.distributed as dist
+    from sat import mpu
+    from sat.arguments import initialize_distributed
+    from sat_patches.testing import expert_llama as el
+    from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+    simulate_cuda_barrier()
+    initialize_distributed(argparse.Namespace(
+        distributed_backend=register_cuda_only_backend(), rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]), device="cpu", deepspeed=False, model_parallel_size=2))
+    cfg = el.config(**TINY_EXPERT)
+    el.model_class().from_pretrained(ckpt_dir, el.build_args(cfg, model_parallel_size=2),
+                                     overwrite_args={"model_parallel_size": 2})
+    return {"mp": mpu.get_model_parallel_world_size(), "backend": str(dist.get_backend())}
+
+
+@pytest.mark.multirank
+def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
+    ckpt = str(tmp_path / "mp1")
+    [saved] = run_ranks(save_mp1_checkpoint, 1, args=(ckpt,), timeout=120)
+    assert saved.ok, saved.output[-3000:]
+    stock = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180,
+                      patches=["process_group_backend", "from_pretrained_rank_local"])
+    receiver = stock[1]
+    assert not receiver.ok and "No backend type associated with device type cpu" in (receiver.exception or ""), \
+        receiver.output[-3000:]
+    patched = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180)
+    for r in patched:
+        assert r.ok, r.output[-3000:]
+        assert r.result == {"mp": 2, "backend": "cpu:gloo,cuda:fakenccl"}

@@ -1,0 +1,123 @@
+"""Hang dumps: a forced hang on 2 CPU ranks ends, within the configured collective timeout, with a
+stack dump from every rank naming where it is, and a non-zero exit instead of a wait."""
+import re
+import time
+
+import pytest
+import torch
+
+from sat_patches.patches import hangs
+from sat_patches.testing import patches_removed, run_ranks
+
+TIMEOUT = 4
+ARGS = ["--mode", "finetune", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--vocab-size", "1024", "--train-iters", "1", "--batch-size", "1"]
+
+
+def _slow_preprocessing():
+    time.sleep(600)  # the other rank: busy elsewhere, never reaching the collective
+
+
+def hang_in_parameter_sync(stall_rank=1):
+    """Rank function: rank 0 enters SAT's "Syncing initialized parameters" broadcast; rank 1 never does."""
+    import sat
+    from sat.training.deepspeed_training import setup_model_untrainable_params_and_optimizer
+    args = sat.get_args(list(ARGS))
+    args.train_data = None
+    model = torch.nn.Linear(4, 4)
+    for p in model.parameters():
+        p.model_parallel = False
+    print(f"hang starts at {time.time():.3f}", flush=True)
+    if torch.distributed.get_rank() == stall_rank:
+        _slow_preprocessing()
+    else:
+        setup_model_untrainable_params_and_optimizer(args, model)
+    return "no hang"
+
+
+def _dump_time(stderr):
+    return float(re.search(r"sat_patches: rank \d \(pid \d+\) at ([\d.]+):", stderr).group(1))
+
+
+def test_forced_hang_dumps_every_rank_within_the_timeout_and_exits_nonzero():
+    results = run_ranks(hang_in_parameter_sync, 2, timeout=180, env={hangs.ENV: str(TIMEOUT)})
+    leader, follower = results
+    for r in results:
+        assert not r.timed_out and r.returncode == hangs.EXIT_CODE, r.output[-3000:]
+        started = float(re.search(r"hang starts at ([\d.]+)", r.stdout).group(1))
+        assert TIMEOUT - 0.5 <= _dump_time(r.stderr) - started <= TIMEOUT + 5, r.stderr[-2000:]
+        assert re.search(r"^(Current thread|Thread) 0x", r.stderr, re.M)  # faulthandler's dump follows
+    assert f"collective 'broadcast' did not complete within {TIMEOUT} s" in leader.stderr
+    assert re.search(r"Blocked SAT call: \S+/sat/training/deepspeed_training.py:\d+ in "
+                     r"setup_model_untrainable_params_and_optimizer\(\)", leader.stderr)
+    assert "another rank reported a collective timeout (rank 0: collective 'broadcast'" in follower.stderr
+    assert "This rank is in no collective; it is at" in follower.stderr and "_slow_preprocessing" in follower.stderr
+
+
+def pg_timeout_and_watchdog():
+    """Rank function: SAT's get_args on one rank without the collective_timeout patch, then SAT's
+    initialize_distributed again with it; the timeout of SAT's groups and the watchdog's each time."""
+    import sat
+    import sat.arguments
+    from sat import mpu
+    from sat_patches.testing import patches_removed
+
+    def seen():
+        groups = [torch.distributed.distributed_c10d._get_default_group(), mpu.get_data_parallel_group()]
+        return {"groups": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups],
+                "watchdog": None if hangs._watchdog is None else hangs._watchdog.timeout}
+    with patches_removed("collective_timeout"):
+        args = sat.get_args(list(ARGS))
+        without = seen()
+    sat.arguments.initialize_distributed(args)  # SAT returns at once (already set up); the patch acts
+    return {"without": without, "with": seen()}
+
+
+def test_collective_timeout_patch_sets_every_sat_group_and_starts_the_watchdog():
+    [r] = run_ranks(pg_timeout_and_watchdog, 1, timeout=180, env={hangs.ENV: str(TIMEOUT)})
+    assert r.ok, (r.exception or r.output)[-3000:]
+    assert r.result == {"without": {"groups": [1800.0, 1800.0], "watchdog": None},   # torch's 30 min, no watchdog
+                        "with": {"groups": [TIMEOUT, TIMEOUT], "watchdog": TIMEOUT}}
+
+
+class _Recorder(hangs.Watchdog):
+    def __init__(self):
+        super().__init__(timeout=1e6, poll=1)  # its faulthandler backstop never fires in a test
+        self.entered = []
+
+    def enter(self, name):
+        outermost = super().enter(name)
+        if outermost:  # (broadcast_object_list calls broadcast inside)
+            self.entered.append(name)
+        return outermost
+
+
+def _call_fast(name):
+    """Call a collective with an argument that makes it return or fail at once, whether or not this
+    process has a process group (never a real wait)."""
+    import torch.distributed as dist
+    args, kwargs = ((), {"group": "not a group"}) if name == "barrier" else (("not a tensor",), {})
+    try:
+        getattr(dist, name)(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@pytest.mark.parametrize("name", hangs.COLLECTIVES)
+def test_each_collective_is_timed_by_the_watchdog(name, monkeypatch):
+    """Without its patch a collective is invisible to the watchdog."""
+    recorder = _Recorder()
+    monkeypatch.setattr(hangs, "_watchdog", recorder)
+    _call_fast(name)
+    assert recorder.entered == [name] and not recorder.inflight
+    with patches_removed(f"hang_watch_{name}"):
+        _call_fast(name)
+    assert name not in recorder.entered[1:]  # (broadcast_object_list's inner broadcasts are still timed)
+
+
+def test_timeout_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(hangs.ENV, "0")
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        hangs.collective_timeout()
+    monkeypatch.setenv(hangs.ENV, "90")
+    assert hangs.collective_timeout() == 90.0

@@ -1,0 +1,199 @@
+"""The memory ledger on SAT's own training_main (tiny LoRA LLaMA, 2 CPU ranks), its report PNG, and
+``sat-patches plan`` against what the ledger measures on a tiny and a mid-size model."""
+import os
+import re
+
+import pytest
+
+from sat_patches.patches import ledger
+from sat_patches.tools import plan
+from sat_patches.testing import run_ranks, run_script
+
+SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
+MID = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--vocab-size", "32000",
+       "--train-iters", "2", "--log-interval", "1"]
+PHASES = ["start", "lora", "build", "deepspeed_init", "first_step"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    # (--save would do, but SAT 0.4.12's final save_checkpoint fails on CPU ranks: torch's AdamW has no .optimizer)
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir})
+    for r in results:
+        assert r.ok, r.output[-4000:]
+    return run_dir, results
+
+
+def test_run_directory_is_sat_save_dir_unless_the_environment_names_one(monkeypatch):
+    import argparse
+    monkeypatch.delenv("SAT_PATCHES_LEDGER_DIR", raising=False)
+    args = argparse.Namespace(save="checkpoints/finetune-cogvlm-base-490-11-22-10-00")
+    assert ledger.run_directory(args) == args.save and ledger.run_directory(argparse.Namespace(save=None)) is None
+    monkeypatch.setenv("SAT_PATCHES_LEDGER_DIR", "/tmp/ledger")
+    assert ledger.run_directory(args) == "/tmp/ledger"
+
+
+def _sat_parameter_count(output):
+    return int(re.search(r"number of parameters on model parallel rank 0: (\d+)", output).group(1))
+
+
+def _lora_llama(layers, hidden, heads, vocab):
+    """tiny_lora's model as model_config.json fields (SAT's LLaMA defaults: biases, 4h MLP)."""
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                inner_hidden_size=None, use_bias=True)
+
+
+def _cpu_estimate(config, ranks):
+    # tiny_lora: fp32 (SAT's default ZeRO-0 config), batch 4, 15 input tokens, LoRA rank 4, no checkpointing
+    return plan.estimate(config, plan.Setup(gpus=ranks, mp=1, zero=0, dtype="fp32", micro_batch=4, seq_len=15,
+                                            lora_rank=4, lora_eva=False, checkpoint_activations=False, device="cpu"))
+
+
+def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
+    run_dir, results = tiny_run
+    rows = ledger.read(run_dir)
+    for rank in (0, 1):
+        phases = [r.phase for r in rows if r.rank == rank]
+        assert phases[:5] == PHASES, phases
+        assert [r.iteration for r in rows if r.rank == rank and r.phase == "step"] == [2, 4, 6, 8, 10, 12]
+        assert all(r.rss_peak_mib >= r.rss_mib > 100 for r in rows if r.rank == rank)
+    assert os.path.exists(os.path.join(run_dir, ledger.JSON_NAME))
+    for rank in (0, 1):  # each rank's own rows, written as they happened
+        own = ledger._read_csv(os.path.join(run_dir, ledger.RANK_CSV.format(rank=rank)))
+        assert [r.phase for r in own] == [r.phase for r in rows if r.rank == rank]
+    table = results[0].stdout
+    assert "[sat_patches memory ledger] after the first step (iteration 1)" in table
+    assert re.search(r"^\s+1  first_step\s+1\s+\d+\s+\d+$", table, re.M)  # rank 0 prints rank 1's row
+    assert "[sat_patches memory ledger]" not in results[1].stdout
+
+
+def test_report_draws_one_line_per_rank(tiny_run, tmp_path):
+    from report_png import assert_report_has_one_line_per_rank
+    run_dir, _ = tiny_run
+    assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")
+
+
+def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
+    run_dir, results = tiny_run
+    config = _lora_llama(2, 64, 4, 1024)
+    assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(results[0].output)
+    estimate = _cpu_estimate(config, 2).cpu_rank / 2 ** 20
+    for rank, peak in ledger.peaks(ledger.read(run_dir)).items():
+        assert estimate == pytest.approx(peak["host"], rel=0.15), (rank, estimate, peak)
+
+
+def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tmp_path):
+    [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)})
+    assert r.ok, r.output[-4000:]
+    config = _lora_llama(4, 1024, 16, 32000)
+    assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8
+    rows = ledger.read(str(tmp_path))
+    estimate = _cpu_estimate(config, 1)
+    peak = ledger.peaks(rows)[0]["host"]
+    start = next(x.rss_mib for x in rows if x.phase == "start")
+    assert estimate.cpu_rank / 2 ** 20 == pytest.approx(peak, rel=0.15)
+    # the model's own share (weights, LoRA, optimizer, activations) beside the process baseline
+    assert (estimate.cpu_rank - plan.HOST_BASE_CPU) / 2 ** 20 == pytest.approx(peak - start, rel=0.15)
+
+
+def test_a_run_that_died_before_its_first_step_still_has_each_rank_s_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAT_PATCHES_LEDGER_DIR", str(tmp_path))
+    for rank in (0, 1):
+        monkeypatch.setattr(ledger, "_rank", lambda: rank)
+        book = ledger.Ledger()
+        book.record("start"), book.record("build")
+    rows = ledger.read(str(tmp_path))
+    assert sorted((r.rank, r.phase) for r in rows) == [(0, "build"), (0, "start"), (1, "build"), (1, "start")]
+
+
+def test_a_rank_far_above_the_others_is_flagged():
+    rows = [ledger.Row(rank=k, phase="build", iteration=0, time=0.0, elapsed=0.0, rss_mib=v, rss_peak_mib=v)
+            for k, v in enumerate([2000, 2100, 1950, 9000])]
+    flags = ledger.flagged(rows)
+    assert list(flags["host"]) == [3] and not flags["cuda"]
+    assert "! rank 3 is far above the others in host RSS" in ledger.format_table(rows, rows)
+    assert not ledger.far_above({0: 500.0, 1: 520.0})   # ordinary spread
+
+
+# --------------------------------------------------------------------------------------
+# Each ledger patch records its phase, and does not without it (one CPU rank)
+# --------------------------------------------------------------------------------------
+def exercise_ledger_patches():
+    """Rank function: call each SAT function a ledger patch wraps, with and without that patch."""
+    import argparse
+    import torch
+    import sat
+    import sat.arguments
+    from sat.model.base_model import get_model
+    from sat.model.finetune.lora2 import LoraMixin
+    from sat.model.official.llama_model import LLaMAModel
+    from sat.mpu import operation
+    from sat.training import deepspeed_training as dt
+    from sat.training import model_io
+    from sat.training.utils import Timers
+    from sat_patches.testing import patches_removed, tiny_lora
+    from sat_patches.testing.expert_llama import write_checkpoint
+
+    cls = tiny_lora.model_class()
+    args = sat.get_args(tiny_lora.DEFAULT_ARGS, cls.add_model_specific_args(argparse.ArgumentParser()))
+    rows = ledger.LEDGER.rows
+    results = {}
+
+    def check(name, call):
+        """Phases recorded by ``call()`` with every patch, then with patch ``name`` removed."""
+        seen = []
+        for removed in ((), (name,)):
+            rows[:] = [r for r in rows if r.phase != "start"]  # "start" is recorded once per process
+            before = len(rows)
+            with patches_removed(*removed) if removed else _nothing():
+                call()
+            seen.append([r.phase for r in rows[before:]])
+        results[name] = seen
+
+    check("ledger_start", lambda: sat.arguments.initialize_distributed(args))
+    model = get_model(args, cls)
+    check("ledger_build", lambda: get_model(args, cls))
+    check("ledger_lora", lambda: get_model(args, LLaMAModel).add_mixin(
+        "lora", LoraMixin(args.num_layers, 4), reinit=True))
+    folder = os.path.join(os.environ["SAT_PATCHES_LEDGER_DIR"], "ckpt")
+    write_checkpoint(model, {"model_class": "TinyLoraLLaMA", "num_layers": 2, "hidden_size": 64,
+                             "num_attention_heads": 4, "vocab_size": 1024, "max_sequence_length": 64}, folder)
+    check("ledger_load", lambda: model_io.load_checkpoint(model, args, load_path=folder))
+    check("ledger_from_pretrained", lambda: cls.from_pretrained(folder, args))
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    check("ledger_split_rank0", lambda: operation.mp_split_model_rank0(plain, plain, use_node_group=False))
+    check("ledger_split_receive", lambda: operation.mp_split_model_receive(torch.nn.Module(), use_node_group=False))
+    no_data = argparse.Namespace(**{**vars(args), "train_data": None})
+    check("ledger_deepspeed_init", lambda: dt.setup_model_untrainable_params_and_optimizer(no_data, model))
+
+    class Engine:  # what train_step asks of DeepSpeed's engine
+        def backward(self, loss): loss.backward()
+        def is_gradient_accumulation_boundary(self): return True
+        def step(self): pass
+
+    class Scheduler:
+        def step(self): pass
+    weight = torch.nn.Parameter(torch.ones(1))
+    forward = lambda it, m, a, t: (weight * 2).sum()  # noqa: E731
+    check("ledger_train_step", lambda: dt.train_step(iter([None]), Engine(), None, Scheduler(), args, Timers(),
+                                                       hooks={"forward_step": forward}))
+    return results
+
+
+class _nothing:
+    def __enter__(self): return self
+    def __exit__(self, *exc): return False
+
+
+def test_each_ledger_patch_records_its_phase_and_not_without_it(tmp_path):
+    [r] = run_ranks(exercise_ledger_patches, 1, timeout=240, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)})
+    assert r.ok, (r.exception or r.output)[-4000:]
+    expected = {"ledger_start": "start", "ledger_build": "build", "ledger_lora": "lora", "ledger_load": "load",
+                "ledger_from_pretrained": "load", "ledger_split_rank0": "split", "ledger_split_receive": "split",
+                "ledger_deepspeed_init": "deepspeed_init", "ledger_train_step": "first_step"}
+    assert set(r.result) == {p.name for p in ledger.PATCHES}
+    for name, phase in expected.items():
+        with_patch, without = r.result[name]
+        assert phase in with_patch and phase not in without, (name, r.result[name])
+    assert os.path.exists(tmp_path / ledger.CSV_NAME)  # the first step flushed the table

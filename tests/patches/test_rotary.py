@@ -1,0 +1,91 @@
+"""FastRotaryEmbedding on CPU: the torch kernel against SAT's own non-triton rotary."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sat_patches  # noqa: F401
+from sat.model.position_embedding.rotary_embeddings import RotaryEmbedding, apply_rotary_pos_emb_index_torch
+from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
+from sat_patches.testing import patches_removed
+
+
+def _qk(batch=2, heads=3, seq=7, dim=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype),
+            torch.randn(batch, heads, seq, dim, generator=g, dtype=dtype))
+
+
+def _sat_reference(q, k, position_ids, dim):
+    # SAT's GPT-NeoX rotary works on [seq, batch, heads, dim]
+    cos, sin = RotaryEmbedding(dim, precision=torch.float32)(q, seq_dim=2, seq_len=int(position_ids.max()) + 1)
+    qs, ks = (t.permute(2, 0, 1, 3) for t in (q, k))
+    q_ref, k_ref = apply_rotary_pos_emb_index_torch(qs, ks, cos, sin, position_ids.t())
+    return q_ref.permute(1, 2, 0, 3), k_ref.permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_fast_rotary_matches_sat_reference_rotary(shuffled):
+    q, k = _qk()
+    pos = torch.arange(7).repeat(2, 1)
+    if shuffled:  # CogVLM-style position ids (image tokens share positions)
+        pos = torch.tensor([[0, 1, 1, 1, 2, 3, 4], [0, 0, 1, 2, 3, 5, 6]])
+    q_ref, k_ref = _sat_reference(q, k, pos, 16)
+    q_out, k_out = FastRotaryEmbedding(16)(q.clone(), k.clone(), pos, max_seqlen=int(pos.max()) + 1)
+    torch.testing.assert_close(q_out, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_interleaved_rotary_matches_pairwise_rotation():
+    from sat_patches.patches.rotary_kernel import apply_rotary
+    x = _qk(dim=8)[0]
+    pos = torch.arange(7).repeat(2, 1)
+    theta = pos[..., None].float() * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+    out = apply_rotary(x, theta.cos()[0], theta.sin()[0], pos, max_seqlen=7, interleaved=True)
+    c, s = theta.cos()[:, None], theta.sin()[:, None]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    torch.testing.assert_close(out[..., 0::2], x0 * c - x1 * s)
+    torch.testing.assert_close(out[..., 1::2], x0 * s + x1 * c)
+
+
+def test_rotary_backward_is_the_inverse_rotation():
+    q, k = _qk()
+    pos = torch.arange(7).repeat(2, 1)
+    leaf = q.clone().requires_grad_()
+    out, _ = FastRotaryEmbedding(16)(leaf * 1.0, k.clone(), pos, max_seqlen=7)
+    (out * q).sum().backward()
+    ref_leaf = q.clone().requires_grad_()
+    ref, _ = _sat_reference(ref_leaf, k, pos, 16)
+    (ref * q).sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_without_fallback_fast_rotary_reaches_triton_and_fails():
+    import sat.model.position_embedding.triton_rotary_embeddings as tre
+
+    def triton_kernel(*args, **kwargs):  # what SAT's module holds on a machine with triton
+        raise RuntimeError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+    q, k = _qk()
+    pos = torch.arange(7).repeat(2, 1)
+    with patches_removed("rotary_torch_fallback"):
+        original = tre.apply_rotary
+        tre.apply_rotary = triton_kernel
+        try:
+            with pytest.raises(RuntimeError, match="cpu tensor"):
+                FastRotaryEmbedding(16)(q, k, pos, max_seqlen=7)
+        finally:
+            tre.apply_rotary = original
+    # with the fallback applied over that kernel, CPU tensors take the torch path
+    patch = sat_patches.core.registry.REGISTRY.get("rotary_torch_fallback")
+    dispatch = patch.make(triton_kernel)
+    assert dispatch(q, *[torch.ones(7, 8)] * 2, pos, max_seqlen=7).shape == q.shape
+
+
+def test_import_sat_needs_the_import_patch_without_triton():
+    env = dict(os.environ, SAT_PATCHES_DISABLE="triton_rotary_import")
+    out = subprocess.run([sys.executable, "-c", "import sat"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "No module named 'triton'" in out.stderr
+    out = subprocess.run([sys.executable, "-c", "import sat"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

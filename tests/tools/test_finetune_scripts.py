@@ -1,0 +1,81 @@
+"""finetune_examples/*.sh: pre-launch checks, the commands they build, and the CPU demo end to end."""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from report_png import assert_report_has_one_line_per_rank
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = {"cogvlm": os.path.join(ROOT, "finetune_examples", "finetune_cogvlm.sh"),
+           "cogagent": os.path.join(ROOT, "finetune_examples", "finetune_cogagent.sh")}
+
+
+def run(script, env=None, cwd=None, timeout=300):
+    e = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+    e.update(env or {})
+    return subprocess.run(["bash", script], env=e, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MP_SIZE": "3"}, "MP_SIZE=3 does not divide the world size 2 (CPU_RANKS=2 x NNODES=1): set MP_SIZE to one of [1, 2]"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "3"},
+     "MP_SIZE=3 does not divide the 32 attention heads of cogvlm-base-490"),
+    ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "8"},
+     "NUM_GPUS_PER_WORKER=8 but this node has 1 visible GPU(s): set NUM_GPUS_PER_WORKER=1"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "LOCAL_WORLD_SIZE": "8"},
+     "LOCAL_WORLD_SIZE=8 but each node runs 2 ranks"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "HOST_FILE": "/nonexistent/hostfile"},
+     "HOST_FILE=/nonexistent/hostfile does not exist"),
+    ({"MP_SIZE": "two"}, "MP_SIZE='two' is not a whole number"),
+], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number"])
+def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
+    out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert message in out.stderr
+    assert "+ " not in out.stdout  # nothing launched
+
+
+def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
+    out = run(SCRIPTS["cogagent"], {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2",
+                                   "MP_SIZE": "2", "DS_CONFIG": "zero2_offload.json"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert "--num_gpus 2 --module sat_patches.launch -m sat_patches.finetune train --kind cogagent" in cmd
+    for expected in ("--model-parallel-size 2", "--from_pretrained cogagent-chat", "--max_length 400",
+                     "--lora_rank 50", "--train-iters 2000", "--version chat", "configs/zero2_offload.json"):
+        assert expected in cmd
+
+
+def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_path):
+    demo_dir = tmp_path / "CogVLM" / "finetune_demo"
+    demo_dir.mkdir(parents=True)
+    (demo_dir / "finetune_cogvlm_demo.py").write_text("# upstream demo stand-in\n")
+    shutil.copy(SCRIPTS["cogvlm"], demo_dir)
+    out = run(str(demo_dir / "finetune_cogvlm.sh"), {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                                                    "NUM_GPUS_PER_WORKER": "4", "MP_SIZE": "4"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"--module sat_patches.launch {demo_dir / 'finetune_cogvlm_demo.py'} " in out.stdout
+    assert "mode checkout" in out.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])
+def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, kind):
+    out = run(SCRIPTS[kind], cwd=tmp_path, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-5000:]
+    losses = [float(x) for x in re.findall(r"total loss ([0-9.E+-]+)", log)]
+    assert len(losses) == 10 and sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+    work = tmp_path / "sat_patches_demo" / kind
+    [run_dir] = list((work / "checkpoints").iterdir())
+    assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                  "zero_pp_rank_0_mp_rank_01_optim_states.pt"]  # resumable
+    assert os.listdir(work / "merged" / "1") == ["mp_rank_00_model_states.pt"]
+    diff = float(re.search(r"max \|logit difference\| = ([0-9.e+-]+)", log).group(1))
+    assert diff <= 1e-4
+    assert re.search(r"merged model output for CAPTCHA '\w+': ", log)
+    if kind == "cogvlm":
+        assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")   # the demo's memory ledger
