@@ -1,5 +1,6 @@
 """Read this process's memory counters from /proc (Linux), exact to the kB: both benchmarks use it.
-(Not sat_patches.patches.ledger.host_memory: importing sat_patches would patch the stock variant.)"""
+(Not sat_patches.tools.ledger_files.host_memory: importing sat_patches arms the patches for the next
+``import sat``, and the stock variant must stay stock.)"""
 
 
 def proc_status_bytes(field: str) -> int:

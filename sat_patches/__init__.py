@@ -1,49 +1,93 @@
 """sat_patches: make multi-GPU (and CPU) fine-tuning of CogVLM/CogAgent on SwissArmyTransformer work.
 
-``import sat_patches`` (before or after ``import sat``) applies every patch once. Per patch opt-out:
-``SAT_PATCHES_DISABLE=name1,name2``; ``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does
-not look as verified. :func:`status` tells what was applied, :func:`unpatch` restores the originals.
+``import sat_patches`` (before or after ``import sat``) applies every patch once: at once when SAT is
+already imported, else the moment SAT is imported (so importing sat_patches alone, as its
+command-line tools do, costs no SAT start-up). Per patch opt-out: ``SAT_PATCHES_DISABLE=name1,name2``;
+``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does not look as verified. :func:`status`
+tells what was applied (applying first if SAT was not imported yet), :func:`unpatch` restores the
+originals.
+
+Where things are: :mod:`sat_patches.patches` (one module per SAT concern, and the order they are
+applied in), :mod:`sat_patches.core` (the registry and what the patches share),
+:mod:`sat_patches.checkpoints` (reading, splitting and writing SAT checkpoint directories),
+:mod:`sat_patches.cogvlm` (CogVLM/CogAgent models), :mod:`sat_patches.tools` (the ``sat-patches``
+command and the finetune scripts' runner), :mod:`sat_patches.testing` (several CPU ranks in tests);
+``python -m sat_patches.launch``, ``.merge`` and ``.finetune`` are the entry points.
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable, List
 
-from .core.registry import REGISTRY, Patch, SatPatchesWarning
-from .patches import PATCHES
+import _sat_patches_boot  # noqa: F401  (without triton, ``import sat`` needs SAT's rotary module served)
+
+from .core.after_import import AfterImport
+from .core.registry import REGISTRY, Patch, SatPatchesWarning  # noqa: F401
 
 __version__ = "0.1.0"
 
-REGISTRY.add(*PATCHES)  # in the order sat_patches.patches gives, innermost first
+_auto = {"pending": True, "applying": False}
+
+
+def _registered():
+    """The registry with every patch declared (importing the patch modules imports SAT)."""
+    if not REGISTRY.patches:
+        from .patches import PATCHES
+        REGISTRY.add(*PATCHES)  # in the order sat_patches.patches gives, innermost first
+    return REGISTRY
+
+
+def _apply_on_import() -> None:
+    """Called once SAT is imported. When SAT's import came from a patch module being imported,
+    :mod:`sat_patches.patches` calls this again once all of them are."""
+    patches = sys.modules.get(f"{__name__}.patches")
+    if patches is not None and not hasattr(patches, "PATCHES"):
+        return
+    if _auto["pending"] and not _auto["applying"]:
+        apply()
+
+
+def _applied():
+    """The registry after the automatic apply, if that is still waiting for ``import sat``."""
+    _apply_on_import()
+    return _registered()
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
     """Apply every patch not yet applied (idempotent). Returns :func:`status`."""
-    REGISTRY.apply_all(disable=disable, force=force)
-    return status()
+    _auto["applying"] = True
+    try:
+        _registered().apply_all(disable=disable, force=force)
+    finally:
+        _auto.update(pending=False, applying=False)
+    _hook.remove()
+    return REGISTRY.table()
 
 
 def unpatch(*names: str) -> None:
     """Restore the originals of the named patches (all when none named), including rebound
     ``from x import y`` aliases; patches stacked over a named one on the same target stay applied."""
+    _auto["pending"] = False  # an unpatch before ``import sat`` also means: do not patch it then
+    _hook.remove()
     if names:
-        REGISTRY.restore(names)
+        _registered().restore(names)
     else:
-        REGISTRY.unpatch_all()
+        _registered().unpatch_all()
 
 
 def status() -> List[dict]:
     """One row per patch: name, target, status (applied/skipped/disabled/...), reason, answers."""
-    return REGISTRY.table()
+    return _applied().table()
 
 
 def is_patched(name: str) -> bool:
     """True when patch ``name`` is in place on its target right now."""
-    patch = REGISTRY.get(name)
+    patch = _applied().get(name)
     return patch.status == "applied" and (patch.is_applied() or patch.current() is patch.replacement)
 
 
 def names() -> List[str]:
-    return REGISTRY.names()
+    return _registered().names()
 
 
 def format_status(rows=None) -> str:
@@ -56,4 +100,5 @@ def format_status(rows=None) -> str:
     return "\n".join(lines)
 
 
-apply()
+_hook = AfterImport("sat", _apply_on_import)
+_hook.arm()

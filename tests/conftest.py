@@ -7,6 +7,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
+    # The test process runs with every patch applied, as a user's process that imported sat_patches and
+    # SAT does (``import sat_patches`` alone defers them until SAT is imported).
+    import sat_patches
+    sat_patches.apply()
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped on CPU-only machines")
     config.addinivalue_line("markers", "multirank: starts several processes")
 

@@ -25,6 +25,8 @@ later wraps the ones listed earlier (its code runs first on the way in and last 
 * ``sat.training.model_io:save_checkpoint``: resume (optimizer shards written) inside
   checkpointing (the atomic save stages everything the save writes, shards included).
 """
+import sys
+
 # rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
@@ -49,3 +51,7 @@ MODULES = [
 ]
 
 PATCHES = [patch for module in MODULES for patch in module.PATCHES]
+
+# Importing the modules above imported SAT. If that was SAT's first import, ``import sat_patches``
+# left the patches waiting for it: they go on now.
+sys.modules[__name__.rpartition(".")[0]]._apply_on_import()

@@ -1,4 +1,9 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report`` (subcommands register in COMMANDS)."""
+"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``.
+
+Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
+this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
+(which looks at torch, CUDA and the patches) import them when they run.
+"""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +26,7 @@ def _status_parser(sub):
 
 from . import doctor, plan, report  # noqa: E402
 
-# (name, function that adds the subparser); other modules append theirs
+# (name, function that adds the subparser)
 COMMANDS = [("status", _status_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
             ("report", report.add_parser)]
 
@@ -36,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError, RuntimeError) as exc:  # bad input: the message says what to change
+        print(f"sat-patches {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

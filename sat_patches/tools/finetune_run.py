@@ -20,7 +20,7 @@ import sys
 from typing import Dict, List
 
 from .finetune_check import check, visible_gpus
-from ..testing.multirank import free_port
+from ..core.ports import free_port
 
 UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
 

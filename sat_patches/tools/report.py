@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from ..patches import ledger
+from . import ledger_files
 
 FIGSIZE, DPI = (10, 6), 100
 MARKED = ("build", "load", "split", "lora", "deepspeed_init", "first_step")
@@ -21,11 +21,11 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit("sat-patches report needs matplotlib: pip install 'sat_patches[report]' "
+        raise RuntimeError("sat-patches report needs matplotlib: pip install 'sat_patches[report]' "
                          "(or pip install matplotlib)") from exc
-    rows = ledger.read(run_dir)
+    rows = ledger_files.read(run_dir)
     if not rows:
-        raise SystemExit(f"{os.path.join(run_dir, ledger.CSV_NAME)} has no rows")
+        raise ValueError(f"{os.path.join(run_dir, ledger_files.CSV_NAME)} has no rows")
     t0 = min(r.time for r in rows)
     ranks = sorted({r.rank for r in rows})
     cuda = any(r.cuda_max_alloc_mib for r in rows)
@@ -44,7 +44,7 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
         ax.set_ylabel(label)
         ax.grid(True, color="0.9")
     axes[0, 0].legend(loc="upper left", fontsize=8, ncol=min(len(ranks), 8))
-    flags = ledger.flagged(rows)
+    flags = ledger_files.flagged(rows)
     title = f"memory ledger: {os.path.basename(os.path.abspath(run_dir))}, {len(ranks)} rank(s)"
     far = sorted(set(flags["host"]) | set(flags["cuda"]))
     if far:
@@ -52,25 +52,25 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
     axes[0, 0].set_title(title, fontsize=10)
     axes[-1, 0].set_xlabel("seconds since the first record")
     fig.tight_layout()
-    out = out or os.path.join(run_dir, ledger.PNG_NAME)
+    out = out or os.path.join(run_dir, ledger_files.PNG_NAME)
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
 
 
-def summary(rows: List[ledger.Row], run_dir: str) -> str:
-    return ledger.format_table(ledger.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
+def summary(rows: List[ledger_files.Row], run_dir: str) -> str:
+    return ledger_files.format_table(ledger_files.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
 
 
 def cmd_report(args) -> int:
     path = draw(args.run_dir, args.out)
-    print(summary(ledger.read(args.run_dir), args.run_dir))
+    print(summary(ledger_files.read(args.run_dir), args.run_dir))
     print(f"wrote {path}")
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="draw a run's memory ledger (memory over time per rank) as a PNG")
-    p.add_argument("run_dir", help="the run directory holding memory_ledger.csv")
-    p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger.PNG_NAME})")
+    p.add_argument("run_dir", help="the run directory holding memory_ledger_files.csv")
+    p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger_files.PNG_NAME})")
     p.set_defaults(func=cmd_report)

@@ -31,6 +31,25 @@ def test_every_patch_applied_in_either_import_order(order):
     assert not not_applied, not_applied
 
 
+def test_import_alone_costs_no_sat_and_patches_go_on_when_sat_is_imported():
+    code = ("import sys, sat_patches\n"
+            "print('BEFORE', sorted(m for m in ('torch', 'sat', 'deepspeed') if m in sys.modules))\n"
+            "import sat.arguments\n"
+            "print('AFTER', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BEFORE []" in out.stdout
+    assert "AFTER get_args_cpu_device" in out.stdout  # on by the time ``import sat`` returned
+
+
+def test_unpatch_before_import_sat_leaves_sat_stock():
+    code = ("import sat_patches\nsat_patches.unpatch()\nimport sat.arguments\n"
+            "print('MARK', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MARK None" in out.stdout
+
+
 def test_second_apply_changes_nothing():
     before = {p.name: p.current() for p in sat_patches.core.registry.REGISTRY.patches}
     rebound = {p.name: list(p.rebound) for p in sat_patches.core.registry.REGISTRY.patches}

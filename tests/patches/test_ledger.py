@@ -6,6 +6,7 @@ import re
 import pytest
 
 from sat_patches.patches import ledger
+from sat_patches.tools import ledger_files
 from sat_patches.tools import plan
 from sat_patches.testing import run_ranks, run_script
 
@@ -52,15 +53,15 @@ def _cpu_estimate(config, ranks):
 
 def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
     run_dir, results = tiny_run
-    rows = ledger.read(run_dir)
+    rows = ledger_files.read(run_dir)
     for rank in (0, 1):
         phases = [r.phase for r in rows if r.rank == rank]
         assert phases[:5] == PHASES, phases
         assert [r.iteration for r in rows if r.rank == rank and r.phase == "step"] == [2, 4, 6, 8, 10, 12]
         assert all(r.rss_peak_mib >= r.rss_mib > 100 for r in rows if r.rank == rank)
-    assert os.path.exists(os.path.join(run_dir, ledger.JSON_NAME))
+    assert os.path.exists(os.path.join(run_dir, ledger_files.JSON_NAME))
     for rank in (0, 1):  # each rank's own rows, written as they happened
-        own = ledger._read_csv(os.path.join(run_dir, ledger.RANK_CSV.format(rank=rank)))
+        own = ledger_files.read_csv(os.path.join(run_dir, ledger_files.RANK_CSV.format(rank=rank)))
         assert [r.phase for r in own] == [r.phase for r in rows if r.rank == rank]
     table = results[0].stdout
     assert "[sat_patches memory ledger] after the first step (iteration 1)" in table
@@ -79,7 +80,7 @@ def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
     config = _lora_llama(2, 64, 4, 1024)
     assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(results[0].output)
     estimate = _cpu_estimate(config, 2).cpu_rank / 2 ** 20
-    for rank, peak in ledger.peaks(ledger.read(run_dir)).items():
+    for rank, peak in ledger_files.peaks(ledger_files.read(run_dir)).items():
         assert estimate == pytest.approx(peak["host"], rel=0.15), (rank, estimate, peak)
 
 
@@ -88,9 +89,9 @@ def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tmp_path):
     assert r.ok, r.output[-4000:]
     config = _lora_llama(4, 1024, 16, 32000)
     assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8
-    rows = ledger.read(str(tmp_path))
+    rows = ledger_files.read(str(tmp_path))
     estimate = _cpu_estimate(config, 1)
-    peak = ledger.peaks(rows)[0]["host"]
+    peak = ledger_files.peaks(rows)[0]["host"]
     start = next(x.rss_mib for x in rows if x.phase == "start")
     assert estimate.cpu_rank / 2 ** 20 == pytest.approx(peak, rel=0.15)
     # the model's own share (weights, LoRA, optimizer, activations) beside the process baseline
@@ -103,16 +104,16 @@ def test_a_run_that_died_before_its_first_step_still_has_each_rank_s_rows(tmp_pa
         monkeypatch.setattr(ledger, "_rank", lambda: rank)
         book = ledger.Ledger()
         book.record("start"), book.record("build")
-    rows = ledger.read(str(tmp_path))
+    rows = ledger_files.read(str(tmp_path))
     assert sorted((r.rank, r.phase) for r in rows) == [(0, "build"), (0, "start"), (1, "build"), (1, "start")]
 
 
 def test_a_rank_far_above_the_others_is_flagged():
-    rows = [ledger.Row(rank=k, phase="build", iteration=0, time=0.0, elapsed=0.0, rss_mib=v, rss_peak_mib=v)
+    rows = [ledger_files.Row(rank=k, phase="build", iteration=0, time=0.0, elapsed=0.0, rss_mib=v, rss_peak_mib=v)
             for k, v in enumerate([2000, 2100, 1950, 9000])]
-    flags = ledger.flagged(rows)
+    flags = ledger_files.flagged(rows)
     assert list(flags["host"]) == [3] and not flags["cuda"]
-    assert "! rank 3 is far above the others in host RSS" in ledger.format_table(rows, rows)
+    assert "! rank 3 is far above the others in host RSS" in ledger_files.format_table(rows, rows)
     assert not ledger.far_above({0: 500.0, 1: 520.0})   # ordinary spread
 
 
@@ -196,4 +197,4 @@ def test_each_ledger_patch_records_its_phase_and_not_without_it(tmp_path):
     for name, phase in expected.items():
         with_patch, without = r.result[name]
         assert phase in with_patch and phase not in without, (name, r.result[name])
-    assert os.path.exists(tmp_path / ledger.CSV_NAME)  # the first step flushed the table
+    assert os.path.exists(tmp_path / ledger_files.CSV_NAME)  # the first step flushed the table

@@ -1,0 +1,53 @@
+"""Run a function right after a module has been imported (a post-import hook).
+
+``import sat_patches`` must not import SAT itself (SAT pulls in transformers, datasets and
+bitsandbytes: seconds of start-up that the command-line tools and the finetune scripts' pre-launch
+checks never need). So the patches go on at the moment SAT is imported: this finder sits in
+``sys.meta_path`` until the named module is first imported, lets the normal finders locate it,
+and calls ``callback()`` once the module's own code has run, before the importer sees the module.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import Callable
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+        self._finding = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self._finding:
+            return None
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)  # the other finders' answer
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            self.remove()
+            self.callback()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+    def arm(self) -> "AfterImport":
+        """Call back now if the module is already imported, else once it is."""
+        if self.name in sys.modules:
+            self.callback()
+        elif self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        return self
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
