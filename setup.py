@@ -8,11 +8,18 @@ PTH = "sat_patches.pth"  # runs _sat_patches_boot at start-up: `import sat` work
 
 
 class BuildPyWithPth(build_py):
-    """Install sat_patches.pth beside the package in site-packages (as pytest-cov does)."""
+    """Install sat_patches.pth beside the package in site-packages (as pytest-cov does).
+
+    An editable install (``pip install -e``) builds a wheel of path hooks only and does not ship
+    ``build_lib``; there the file goes straight into that wheel's root, which is site-packages too.
+    """
 
     def run(self):
         super().run()
-        shutil.copy(PTH, os.path.join(self.build_lib, PTH))
+        into = self.build_lib
+        if getattr(self, "editable_mode", False):
+            into = self.get_finalized_command("install").install_lib
+        shutil.copy(PTH, os.path.join(into, PTH))
 
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]

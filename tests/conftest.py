@@ -13,6 +13,7 @@ def pytest_configure(config):
     sat_patches.apply()
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped on CPU-only machines")
     config.addinivalue_line("markers", "multirank: starts several processes")
+    config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow')")
 
 
 def pytest_collection_modifyitems(config, items):
