@@ -13,7 +13,8 @@ import sys
 
 def cmd_status(args) -> int:
     import sat_patches
-    rows = sat_patches.status()
+    with imports_print_to_stderr():
+        rows = sat_patches.status()
     print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))
     return 0 if all(r["status"] in ("applied", "not needed", "disabled") for r in rows) else 1
 
@@ -25,6 +26,7 @@ def _status_parser(sub):
 
 
 from . import doctor, plan, report  # noqa: E402
+from .output import imports_print_to_stderr  # noqa: E402
 
 # (name, function that adds the subparser)
 COMMANDS = [("status", _status_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),

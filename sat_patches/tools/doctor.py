@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional
 
+from .output import imports_print_to_stderr
+
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 VERIFIED_SAT = "0.4.12"
 # PYTORCH_CUDA_ALLOC_CONF options torch 2.x knows (c10 allocator config and the CUDA allocator's own)
@@ -461,7 +463,8 @@ def format_checks(checks: List[Check], facts: Facts) -> str:
 
 
 def cmd_doctor(args) -> int:
-    facts = gather(args.hostfile)
+    with imports_print_to_stderr():
+        facts = gather(args.hostfile)
     if args.model:
         plan_host_need(facts, args.model, args.gpus, args.gpu_mem)
     checks = run(facts)

@@ -129,3 +129,18 @@ def test_doctor_on_this_machine_one_screen_json_and_exit_status(capsys, monkeypa
     (tmp_path / "hostfile").write_text("this is not a hostfile\n")
     assert main(["doctor"]) == 1
     assert "FAIL  hostfile" in capsys.readouterr().out
+
+
+def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
+    """A fresh process imports DeepSpeed (which logs to stdout) and bitsandbytes while it gathers."""
+    import os
+    import subprocess
+    import sys
+    import sat_patches
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(sat_patches.__file__))))
+    env.pop("LOCAL_WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, "-m", "sat_patches", "doctor", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    data = json.loads(out.stdout)
+    assert {c["name"] for c in data["checks"]} >= {"torch", "sat", "patches"}
+    assert "Setting accelerator to CPU" in out.stderr  # DeepSpeed's line went to stderr, not into the JSON
