@@ -34,6 +34,7 @@ setup(
     packages=find_packages(include=["sat_patches", "sat_patches.*"]),
     py_modules=["_sat_patches_boot"],
     cmdclass={"build_py": BuildPyWithPth},
+    package_data={"sat_patches": ["configs/*.json"]},
     python_requires=">=3.9",
     install_requires=[
         # the SAT code the patches are verified on; each patch re-checks the code shape at import

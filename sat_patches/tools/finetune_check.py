@@ -36,6 +36,19 @@ def _int(env: dict, name: str, default: Optional[int], errors: List[str]) -> Opt
     return value
 
 
+# DeepSpeed configs installed with the package (a wheel carries nothing outside sat_patches/)
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def config_path(name: str) -> Optional[str]:
+    """``DS_CONFIG``: a file that exists (absolute, or relative to the working directory) wins, else one of
+    the configs installed with sat_patches; None when it is neither."""
+    if os.path.isfile(name):
+        return os.path.abspath(name)
+    path = os.path.join(CONFIGS, name)
+    return path if os.path.isfile(path) else None
+
+
 def visible_gpus(env: dict) -> Optional[int]:
     """GPUs this node can use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list; None if unknown."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
@@ -85,6 +98,11 @@ def check(env: dict) -> List[str]:
         errors.append(f"LOCAL_WORLD_SIZE={lws} but each node runs {per_node} ranks ({unit}): SAT would build no "
                       f"node groups and model-parallel loading fails ('node group is not initialized'). Unset "
                       f"LOCAL_WORLD_SIZE or set LOCAL_WORLD_SIZE={per_node} (also in .deepspeed_env).")
+    ds_config = env.get("DS_CONFIG")
+    if ds_config and config_path(ds_config) is None:
+        shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".json") and n != "cpu_demo.json")
+        errors.append(f"DS_CONFIG={ds_config} is neither a file nor one of the configs installed with sat_patches: "
+                      f"set DS_CONFIG to one of {', '.join(shipped)} or to the path of your own DeepSpeed config.")
     hostfile = env.get("HOST_FILE")
     if hostfile and not os.path.isfile(hostfile):
         errors.append(f"HOST_FILE={hostfile} does not exist: create it (lines 'host slots=N') or unset HOST_FILE "

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Dict, List
 
-from .finetune_check import check, visible_gpus
+from .finetune_check import check, config_path, visible_gpus
 from ..core.ports import free_port
 
 UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
@@ -52,16 +52,6 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
         env.update(CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}", WORK_DIR=os.path.abspath(f"sat_patches_demo/{kind}"))
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     return env
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "finetune_examples", "configs")
-
-
-def _config(env: Dict[str, str], name: str) -> str:
-    base = env.get("SCRIPT_DIR") or CONFIGS
-    for folder in (os.path.join(base, "configs"), base, CONFIGS):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            return path
-    return name
 
 
 def mode(env: Dict[str, str]) -> str:
@@ -83,7 +73,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",
         "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
         "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
-        "--split", "1.", "--deepspeed_config", paths.get("ds_config", _config(env, env["DS_CONFIG"])),
+        "--split", "1.", "--deepspeed_config", paths.get("ds_config", config_path(env["DS_CONFIG"])),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     if env.get("LAYER_RANGE"):
@@ -115,7 +105,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     py = sys.executable
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"),
-                 save=os.path.join(work, "checkpoints"), ds_config=_config(env, "cpu_demo.json"))
+                 save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],

@@ -14,6 +14,7 @@ SCRIPTS = {"cogvlm": os.path.join(ROOT, "finetune_examples", "finetune_cogvlm.sh
 
 def run(script, env=None, cwd=None, timeout=300):
     e = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+    e["PYTHONPATH"] = ROOT  # the scripts' python -m sat_patches... runs this checkout's code
     e.update(env or {})
     return subprocess.run(["bash", script], env=e, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
@@ -29,7 +30,10 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "HOST_FILE": "/nonexistent/hostfile"},
      "HOST_FILE=/nonexistent/hostfile does not exist"),
     ({"MP_SIZE": "two"}, "MP_SIZE='two' is not a whole number"),
-], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number"])
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "DS_CONFIG": "zero9.json"},
+     "DS_CONFIG=zero9.json is neither a file nor one of the configs installed with sat_patches: set DS_CONFIG to one "
+     "of low_memory.json, zero2.json, zero2_offload.json"),
+], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "ds-config"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
