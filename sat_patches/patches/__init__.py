@@ -30,12 +30,13 @@ import sys
 # rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
-from . import (checkpointing, construction, deepspeed_setup, devices, distributed, faults, hangs, ledger,
+from . import (standins, checkpointing, construction, deepspeed_setup, devices, distributed, faults, hangs, ledger,
                loading, lora, preprocess, resume)
 
 # Innermost first.
 MODULES = [
     rotary,
+    standins,
     devices,
     faults,
     distributed,
