@@ -75,6 +75,7 @@ def check(env: dict) -> List[str]:
     per_node = _int(env, "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER", 8, errors)
     mp = _int(env, "MP_SIZE", 1, errors)
     nnodes = _int(env, "NNODES", 1, errors)
+    _int(env, "MICRO_BATCH", None, errors)
     if None in (per_node, mp, nnodes):
         return errors
     world = per_node * nnodes

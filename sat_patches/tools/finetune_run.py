@@ -13,11 +13,13 @@ Three modes, chosen in this order:
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .finetune_check import check, config_path, visible_gpus
 from ..core.ports import free_port
@@ -30,6 +32,7 @@ DEFAULTS = {
     "TOKENIZER": "lmsys/vicuna-7b-v1.5", "TRAIN_DATA": "./archive_split/train", "VALID_DATA": "./archive_split/valid",
     "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
     "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
+    "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -54,6 +57,55 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     return env
 
 
+def gpu_memory_gb() -> Optional[float]:
+    """Memory of this node's smallest GPU (nvidia-smi), None where it cannot be read."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    sizes = [float(x) for x in out.stdout.split() if x.replace(".", "", 1).isdigit()]
+    return min(sizes) / 1024 if out.returncode == 0 and sizes else None
+
+
+def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
+    """The largest micro-batch ``sat-patches plan`` finds viable for this run on the detected GPUs."""
+    memory = gpu_memory_gb()
+    if memory is None:
+        return None
+    from . import plan
+    try:
+        model = plan.resolve_model(env["MODEL_TYPE"])
+    except SystemExit:  # a model the plan does not know: keep the config's micro-batch
+        return None
+    zero = config.get("zero_optimization", {})
+    opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
+                        zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
+                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]))
+    fits = [o.estimate.setup.micro_batch for o in opts if o.viable and o.estimate.setup.mp == int(env["MP_SIZE"])]
+    return max(fits) if fits else None
+
+
+def run_config(env: Dict[str, str], name: str, save_dir: str) -> str:
+    """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
+    ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's choice for the detected GPUs, else the
+    config's own) is written into a copy saved beside the run's checkpoints."""
+    source = config_path(name)
+    with open(source) as f:
+        config = json.load(f)
+    micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else planned_micro_batch(env, config)
+    if micro is None or micro == config.get("train_micro_batch_size_per_gpu"):
+        return source
+    config["train_micro_batch_size_per_gpu"] = micro
+    config.pop("train_batch_size", None)  # DeepSpeed derives it from the micro-batch and the world size
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.abspath(os.path.join(save_dir, f"{stem}.micro_batch{micro}.json"))
+    os.makedirs(save_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def mode(env: Dict[str, str]) -> str:
     kind = env["MODEL_KIND"]
     if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])):
@@ -73,7 +125,8 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",
         "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
         "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
-        "--split", "1.", "--deepspeed_config", paths.get("ds_config", config_path(env["DS_CONFIG"])),
+        "--split", "1.", "--deepspeed_config",
+        paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"])),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     if env.get("LAYER_RANGE"):

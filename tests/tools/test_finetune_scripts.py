@@ -1,8 +1,10 @@
 """finetune_examples/*.sh: pre-launch checks, the commands they build, and the CPU demo end to end."""
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from report_png import assert_report_has_one_line_per_rank
@@ -30,10 +32,13 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "HOST_FILE": "/nonexistent/hostfile"},
      "HOST_FILE=/nonexistent/hostfile does not exist"),
     ({"MP_SIZE": "two"}, "MP_SIZE='two' is not a whole number"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MICRO_BATCH": "0"},
+     "MICRO_BATCH=0 must be at least 1"),
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "DS_CONFIG": "zero9.json"},
      "DS_CONFIG=zero9.json is neither a file nor one of the configs installed with sat_patches: set DS_CONFIG to one "
      "of low_memory.json, zero2.json, zero2_offload.json"),
-], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "ds-config"])
+], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "micro-batch",
+         "ds-config"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -50,6 +55,45 @@ def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
     for expected in ("--model-parallel-size 2", "--from_pretrained cogagent-chat", "--max_length 400",
                      "--lora_rank 50", "--train-iters 2000", "--version chat", "configs/zero2_offload.json"):
         assert expected in cmd
+
+
+def _deepspeed_config_of(stdout):
+    [cmd] = [l for l in stdout.splitlines() if l.startswith("+ deepspeed")]
+    path = re.search(r"--deepspeed_config (\S+)", cmd).group(1)
+    with open(path) as f:
+        return path, json.load(f)
+
+
+def test_micro_batch_is_written_into_the_config_the_run_uses(tmp_path):
+    env = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2"}
+    out = run(SCRIPTS["cogvlm"], dict(env, MICRO_BATCH="2"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, config = _deepspeed_config_of(out.stdout)
+    assert config["train_micro_batch_size_per_gpu"] == 2 and path.startswith(str(tmp_path / "checkpoints"))
+    assert config["zero_optimization"]["stage"] == 2  # the rest is DS_CONFIG's (zero2.json)
+    # no MICRO_BATCH and no GPU memory to plan with: DS_CONFIG as installed, which exists wherever we run
+    out = run(SCRIPTS["cogvlm"], env, cwd=tmp_path)
+    path, config = _deepspeed_config_of(out.stdout)
+    assert os.path.basename(path) == "zero2.json" and config["train_micro_batch_size_per_gpu"] == 4
+
+
+def test_micro_batch_defaults_to_the_plans_choice_for_the_detected_gpus(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"  # two 24 GB cards
+    smi.write_text('#!/bin/sh\ncase "$*" in *memory.total*) echo 24576; echo 24576;; '
+                   '*) echo "GPU 0: RTX"; echo "GPU 1: RTX";; esac\n')
+    smi.chmod(0o755)
+    env = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = run(SCRIPTS["cogvlm"], env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    _, config = _deepspeed_config_of(out.stdout)
+    plan = subprocess.run([sys.executable, "-m", "sat_patches", "plan", "--model", "cogvlm-base-490", "--gpus", "2",
+                           "--gpu-mem", "24", "--json"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    fits = [o["setup"]["micro_batch"] for o in json.loads(plan.stdout)["options"]
+            if o["viable"] and o["setup"]["mp"] == 2 and o["setup"]["zero"] == 2 and not o["setup"]["offload"]]
+    assert config["train_micro_batch_size_per_gpu"] == max(fits) != 4
 
 
 def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_path):
