@@ -1,4 +1,4 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``.
+"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``.
 
 Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
 this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
@@ -25,12 +25,12 @@ def _status_parser(sub):
     p.set_defaults(func=cmd_status)
 
 
-from . import doctor, plan, report  # noqa: E402
+from . import doctor, plan, report, scripts  # noqa: E402
 from .output import imports_print_to_stderr  # noqa: E402
 
 # (name, function that adds the subparser)
 COMMANDS = [("status", _status_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
-            ("report", report.add_parser)]
+            ("report", report.add_parser), ("scripts", scripts.add_parser)]
 
 
 def build_parser() -> argparse.ArgumentParser:

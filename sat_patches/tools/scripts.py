@@ -1,0 +1,78 @@
+"""``sat-patches scripts DEST``: write the drop-in finetune scripts into a CogVLM checkout's ``finetune_demo/``.
+
+A wheel carries only the package, so the scripts are written from here rather than copied from a
+checkout of sat_patches; ``finetune_examples/`` in the repository holds the same text (a test keeps
+them equal). The settings and their defaults are :mod:`sat_patches.tools.finetune_run`'s.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+from .finetune_run import DEFAULTS, KIND_DEFAULTS
+
+KINDS = {"cogvlm": "CogVLM", "cogagent": "CogAgent"}
+SHARED = ("NUM_GPUS_PER_WORKER", "MP_SIZE", "NNODES", "HOST_FILE", "MICRO_BATCH", "DS_CONFIG")
+
+TEMPLATE = """#!/usr/bin/env bash
+# Drop-in replacement for CogVLM's finetune_demo/finetune_{kind}_lora.sh, with sat_patches applied.
+#
+# Settings come from the environment; the defaults are upstream's:
+#   {shared}
+#   {model}
+# MICRO_BATCH empty: the largest that `sat-patches plan` finds fitting the GPUs, else DS_CONFIG's.
+# DS_CONFIG: zero2.json, zero2_offload.json, low_memory.json (installed with sat_patches) or a path.
+# EXTRA_ARGS="..." adds options; DRY_RUN=1 prints the commands only; --help lists every setting.
+# In a CogVLM checkout's finetune_demo/ it runs upstream's finetune_{kind}_demo.py; elsewhere the
+# standalone {name} of sat_patches. Without a GPU it trains a tiny {name} on 2 CPU ranks at MP_SIZE=2,
+# merges the LoRA and the model-parallel shards into one MP=1 checkpoint and reloads it.
+# Example, 2 GPUs with model parallelism:  NUM_GPUS_PER_WORKER=2 MP_SIZE=2 bash finetune_{kind}.sh
+export MODEL_KIND={kind}
+SCRIPT_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"
+"""
+
+
+def script_text(kind: str) -> str:
+    def settings(names, values):
+        return " ".join(f"{n}={values[n]}" for n in names)
+    own = KIND_DEFAULTS[kind]
+    return TEMPLATE.format(kind=kind, name=KINDS[kind], shared=settings(SHARED, DEFAULTS),
+                           model=settings(["MODEL_TYPE", "MAX_LENGTH", "LORA_RANK", "TRAIN_ITERS"], own))
+
+
+def scripts() -> Dict[str, str]:
+    return {f"finetune_{kind}.sh": script_text(kind) for kind in KINDS}
+
+
+def write(dest: str, force: bool = False) -> List[str]:
+    """Write the scripts into ``dest``. A different file of the same name is kept unless ``force``."""
+    texts = scripts()
+    clashes = [name for name, text in texts.items() if os.path.isfile(os.path.join(dest, name))
+               and open(os.path.join(dest, name)).read() != text]
+    if clashes and not force:
+        raise FileExistsError(f"{', '.join(clashes)} already in {dest} with other contents: move them away "
+                              f"or pass --force to replace them")
+    os.makedirs(dest, exist_ok=True)
+    written = []
+    for name, text in texts.items():
+        path = os.path.join(dest, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.chmod(path + ".tmp", 0o755)
+        os.replace(path + ".tmp", path)
+        written.append(path)
+    return written
+
+
+def cmd_scripts(args) -> int:
+    for path in write(args.dest, args.force):
+        print(path)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("scripts", help="write finetune_cogvlm.sh / finetune_cogagent.sh into a directory "
+                                       "(a CogVLM checkout's finetune_demo/)")
+    p.add_argument("dest", help="where to write them, e.g. CogVLM/finetune_demo")
+    p.add_argument("--force", action="store_true", help="replace scripts of the same name with other contents")
+    p.set_defaults(func=cmd_scripts)
