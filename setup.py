@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -25,9 +26,17 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
 
 
+
+
+def version() -> str:
+    """The one place the version is written: ``sat_patches.__version__``."""
+    with open(os.path.join("sat_patches", "__init__.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 setup(
     name="sat_patches",
-    version="0.1.0",
+    version=version(),
     description="Make multi-GPU LoRA fine-tuning of CogVLM/CogAgent on SwissArmyTransformer work",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
