@@ -33,6 +33,13 @@ When a rank gets a fresh process instead (:func:`fresh_reason` decides; ``RankRe
 
 Everything else (``RANK``, ``MASTER_PORT``, ``SAT_PATCHES_*`` knobs, a test's own variables) is
 only read at run time and is simply the forked rank's ``os.environ``.
+
+What a fork cannot give: forked ranks share the server's string-hash secret (fresh processes each
+draw their own), so an iteration order over a set of strings is the same on every forked rank; code
+whose collectives could depend on such an order is checked with ``SAT_PATCHES_TEST_FRESH=1``. Import
+-time messages (DeepSpeed's accelerator line, bitsandbytes' kernel notice) are printed once into the
+server's log, not into each rank's output. numpy's global generator is reseeded in each fork, and
+Python's ``random`` reseeds itself after a fork.
 """
 from __future__ import annotations
 
@@ -84,7 +91,11 @@ def _module_command(cmd: Sequence[str]) -> bool:
 
 
 class ForkedRank:
-    """A rank forked by the server, with the parts of :class:`subprocess.Popen` the launcher uses."""
+    """A rank forked by the server, with the parts of :class:`subprocess.Popen` the launcher uses.
+
+    The server, not this process, reaps the rank. :meth:`poll` reads every exit report first, so
+    ``os.killpg(pid)`` after ``poll() is None`` can only miss when the rank was reaped in the few
+    milliseconds since and its pid already reused, which the kernel's pid cycling makes negligible."""
 
     def __init__(self, server: "ForkServer", request_id: int, pid: int, args):
         self._server, self._id, self.pid, self.args = server, request_id, pid, list(args)
