@@ -4,6 +4,11 @@ Every rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WO
 MASTER_ADDR/PORT on loopback) and ``OMP_NUM_THREADS=1``. ``patches`` selects what each rank
 imports first: ``True`` (every patch), ``"stock"`` (stock SAT plus only the CPU stand-ins a GPU
 user does not need: see :data:`CPU_STANDINS`), or an iterable of patch names to disable.
+
+Ranks are forked from a fork server that has imported torch/SAT/DeepSpeed once (see
+:mod:`sat_patches.testing.zygote` for when a rank gets a fresh process instead: ``fresh=True``,
+``SAT_PATCHES_TEST_FRESH=1``, or an environment that changes import-time behaviour). Both kinds are
+started in their own session, timed out and killed alike; ``RankResult.forked`` tells which it was.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ class RankResult:
     result: Any = None
     timed_out: bool = False
     exception: Optional[str] = None
+    forked: bool = False                 # forked from the fork server (False: a fresh process)
+    fresh_reason: Optional[str] = None   # why it was not forked
 
     @property
     def output(self) -> str:
@@ -63,13 +70,18 @@ def _patch_env(patches) -> dict:
     return {"SAT_PATCHES_IMPORT": "1", "SAT_PATCHES_DISABLE": ",".join(patches)}
 
 
-def _launch(cmds: Sequence[List[str]], envs: Sequence[dict], timeout: float, workdir: str) -> List[RankResult]:
-    procs, files = [], []
+def _launch(cmds: Sequence[List[str]], envs: Sequence[dict], timeout: float, workdir: str,
+            fresh: bool = False) -> List[RankResult]:
+    from . import zygote
+    procs, files, reasons = [], [], []
+    base = _base_env()
     for rank, (cmd, env) in enumerate(zip(cmds, envs)):
         out = open(os.path.join(workdir, f"rank{rank}.out"), "w+")
         err = open(os.path.join(workdir, f"rank{rank}.err"), "w+")
         files.append((out, err))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
+        forked, reason = zygote.start(cmd, env, out.name, err.name, base, fresh=fresh)
+        reasons.append(reason)
+        procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
     deadline = time.monotonic() + timeout
     timed_out = [False] * len(procs)
     for i, p in enumerate(procs):
@@ -88,19 +100,31 @@ def _launch(cmds: Sequence[List[str]], envs: Sequence[dict], timeout: float, wor
     results = []
     for rank, (p, (out, err)) in enumerate(zip(procs, files)):
         out.seek(0), err.seek(0)
-        results.append(RankResult(rank, p.returncode, out.read(), err.read(), timed_out=timed_out[rank]))
+        results.append(RankResult(rank, p.returncode, out.read(), err.read(), timed_out=timed_out[rank],
+                                  forked=reasons[rank] is None, fresh_reason=reasons[rank]))
         out.close(), err.close()
     return results
 
 
-def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nnodes_local=None) -> dict:
+def _base_env() -> dict:
+    """What every rank's environment starts from (and the fork server is started with)."""
     e = dict(os.environ)
+    e.update({
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+        "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+    })
+    for key in ("SAT_PATCHES_DISABLE", "SAT_PATCHES_IMPORT"):  # each rank sets its own
+        e.pop(key, None)
+    return e
+
+
+def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nnodes_local=None) -> dict:
+    e = _base_env()
     e.update({
         "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % (nnodes_local or nranks)),
         "LOCAL_WORLD_SIZE": str(nnodes_local or nranks), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
-        "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+        "MASTER_PORT": str(port),
     })
     e.update(_patch_env(patches))
     if env:
@@ -109,8 +133,10 @@ def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], n
 
 
 def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwargs: Optional[dict] = None,
-              timeout: float = 120, patches: Any = True, env: Optional[dict] = None) -> List[RankResult]:
+              timeout: float = 120, patches: Any = True, env: Optional[dict] = None,
+              fresh: bool = False) -> List[RankResult]:
     """Call ``fn(*args, **kwargs)`` on ``nranks`` processes; returns one :class:`RankResult` per rank.
+    ``fresh=True``: fresh processes, not forked from the fork server.
 
     ``fn`` is a module-level function or ``"module:function"``. Its return value (picklable) is
     ``result``; an exception it raises is ``exception`` (formatted traceback) and exit code 1.
@@ -126,7 +152,7 @@ def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwarg
             result_file = os.path.join(workdir, f"result{rank}.pkl")
             cmds.append([sys.executable, "-m", "sat_patches.testing._rank_main", payload, result_file])
             envs.append(_rank_env(rank, nranks, port, patches, env))
-        results = _launch(cmds, envs, timeout, workdir)
+        results = _launch(cmds, envs, timeout, workdir, fresh=fresh)
         for r in results:
             path = os.path.join(workdir, f"result{r.rank}.pkl")
             if os.path.exists(path):
@@ -140,8 +166,9 @@ def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwarg
 
 
 def run_script(argv: Sequence[str], nranks: int = 2, timeout: float = 300, patches: Any = True,
-               env: Optional[dict] = None, cwd: Optional[str] = None) -> List[RankResult]:
-    """Run ``python <argv>`` (a script path or ``-m module``) on ``nranks`` ranks."""
+               env: Optional[dict] = None, cwd: Optional[str] = None, fresh: bool = False) -> List[RankResult]:
+    """Run ``python <argv>`` (a script path or ``-m module``) on ``nranks`` ranks (``fresh``: as in
+    :func:`run_ranks`)."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="satp-ranks-") as workdir:
         cmds = [[sys.executable, "-m", "sat_patches.testing._rank_main", "--script", *argv]
@@ -150,4 +177,4 @@ def run_script(argv: Sequence[str], nranks: int = 2, timeout: float = 300, patch
         if cwd:
             for e in envs:
                 e["SAT_PATCHES_CWD"] = cwd
-        return _launch(cmds, envs, timeout, workdir)
+        return _launch(cmds, envs, timeout, workdir, fresh=fresh)

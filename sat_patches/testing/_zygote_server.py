@@ -1,0 +1,189 @@
+"""The fork server ("zygote") of :mod:`sat_patches.testing.zygote`: one long-lived process that has
+imported torch, SAT, DeepSpeed and bitsandbytes once, and forks a rank for each request.
+
+Started as ``python -c <loader> <this file> <request fd> <reply fd>`` so that the ``sat_patches``
+package is *not* imported here (importing it applies the patches, which must happen in each rank
+according to that rank's environment). Standard library only, apart from the preloaded modules.
+
+Protocol, on two private pipes (never fds 0/1/2, which the ranks inherit and replace): each message
+is a 4-byte big-endian length and a pickle.
+
+* zygote -> parent, once: ``("ready", pid, preloaded modules)`` or ``("failed", reason)``.
+* parent -> zygote: ``{"id", "cmd", "env", "cwd", "stdout", "stderr"}`` where ``cmd`` is
+  ``[python, "-m", module, *args]``; the answer is ``("spawned", id, pid)`` or
+  ``("spawn_failed", id, reason)``, and later ``("exit", id, code)`` (by request id: pids get
+  reused) with ``code`` from
+  :func:`os.waitstatus_to_exitcode` (``-N`` for signal N, as :class:`subprocess.Popen` reports).
+* End of file on the request pipe: SIGKILL the process group of every rank still running, reap
+  them, exit.
+
+The zygote stays single-threaded (a ``select`` loop on the request pipe, ``waitpid(-1, WNOHANG)``
+while ranks live): forking a process with other threads would copy held locks into the child.
+"""
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import traceback
+
+PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
+           "sat.model.finetune.lora2")  # SAT's LoRA module is what imports bitsandbytes
+POLL = 0.02  # seconds between reaps while ranks run
+
+
+def _send(fd, message) -> None:
+    data = pickle.dumps(message)
+    data = struct.pack("!I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd, n):
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(fd):
+    head = _read_exact(fd, 4)
+    if head is None:
+        return None
+    body = _read_exact(fd, struct.unpack("!I", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _exit_code_of(exc: SystemExit, stderr) -> int:
+    """What the interpreter makes of an uncaught ``SystemExit``."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=stderr)
+    return 1
+
+
+def _run_as_python_m(cmd) -> int:
+    """In a fresh fork: behave like ``python -m module args`` from here on (runpy's own entry for
+    ``-m``); an exception escaping the module is handled as the interpreter would: traceback or
+    ``SystemExit`` code, then non-daemon threads joined and atexit callbacks run."""
+    import runpy
+    module, args = cmd[2], list(cmd[3:])
+    sys.argv = ["-m", *args]  # runpy puts the module's file name in argv[0], as -m does
+    try:
+        runpy._run_module_as_main(module, alter_argv=True)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code_of(exc, sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        import threading
+        threading._shutdown()
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    return code
+
+
+def _child(request, fds) -> None:
+    """The forked rank. Never returns: ends with ``os._exit``."""
+    code = 1
+    try:
+        os.setsid()  # own process group: the parent kills the rank and its children with killpg
+        for fd in fds:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # sys.stdout/sys.stderr (and every logging handler bound to them at import) write to fds 1/2
+        for src, dst in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(src, dst)
+            os.close(src)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # what ``python -m`` puts first: the working directory
+        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+            sys.modules["numpy"].random.seed()
+        code = _run_as_python_m(request["cmd"])
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(code & 0xFF)
+
+
+def serve(request_fd: int, reply_fd: int) -> None:
+    try:
+        for name in PRELOAD:
+            __import__(name)
+        if "sat_patches" in sys.modules:
+            raise RuntimeError("the preload imported sat_patches; ranks would not start unpatched")
+    except BaseException:
+        _send(reply_fd, ("failed", traceback.format_exc()))
+        return
+    _send(reply_fd, ("ready", os.getpid(), sorted(PRELOAD)))
+    live = {}  # pid -> request id
+    try:
+        _loop(request_fd, reply_fd, live)
+    except OSError:  # the parent closed the reply pipe: it is gone
+        pass
+    for pid in live:  # the parent went away: leave no rank behind
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in live:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _loop(request_fd: int, reply_fd: int, live: dict) -> None:
+    while True:
+        readable, _, _ = select.select([request_fd], [], [], POLL if live else None)
+        if readable:
+            request = _receive(request_fd)
+            if request is None:
+                return
+            sys.stdout.flush(), sys.stderr.flush()  # nothing buffered may be copied into the child
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                _send(reply_fd, ("spawn_failed", request["id"], repr(exc)))
+                continue
+            if pid == 0:
+                _child(request, (request_fd, reply_fd))
+            live[pid] = request["id"]
+            _send(reply_fd, ("spawned", request["id"], pid))
+        while live:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                live.clear()
+                break
+            if pid == 0:
+                break
+            _send(reply_fd, ("exit", live.pop(pid), os.waitstatus_to_exitcode(status)))
+
+
+if __name__ == "__satp_zygote__":  # run by the loader in zygote.py: argv is [-c, this file, fds]
+    serve(int(sys.argv[2]), int(sys.argv[3]))

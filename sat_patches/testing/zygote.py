@@ -1,0 +1,301 @@
+"""Fork server for :mod:`sat_patches.testing.multirank`: ranks forked from one process that has
+already imported torch, SAT, DeepSpeed and bitsandbytes, instead of paying those imports (6-9 s)
+in every fresh ``python -m sat_patches.testing._rank_main`` process.
+
+The server (``_zygote_server.py``) starts lazily, on the first launch that can use it, with the
+base environment every rank gets (:func:`multirank._base_env`), and stops at interpreter exit. It
+does not import ``sat_patches``: each forked rank imports it itself, after its own environment is in
+place, so ``SAT_PATCHES_DISABLE`` and the rest apply per rank as in a fresh process. A forked rank
+runs the very command line a fresh one would (``python -m sat_patches.testing._rank_main ...``,
+through runpy as ``-m`` does) in its own session, stdin from /dev/null, stdout/stderr on the
+rank's files. :class:`ForkedRank` answers ``pid``/``poll``/``wait``/``returncode`` like
+:class:`subprocess.Popen`, so the launcher kills (``os.killpg``) and times out both kinds alike.
+
+When a rank gets a fresh process instead (:func:`fresh_reason` decides; ``RankResult.forked`` and
+``RankResult.fresh_reason`` tell afterwards):
+
+* the caller asks for it: ``fresh=True`` on ``run_ranks``/``run_script``, or
+  ``SAT_PATCHES_TEST_FRESH=1`` in the environment (every rank, for debugging);
+* the server could not start, died, or refused the fork;
+* the command is not ``python -m module ...`` with this interpreter;
+* the rank's environment changes what happens at import time, which a fork cannot redo:
+
+  - ``SAT_PATCHES_DISABLE`` names ``triton_rotary_import`` or ``all``: the start-up hook then does
+    not serve SAT's triton module, and ``import sat`` must fail as on a machine without triton;
+  - ``SAT_PATCHES_IMPORT`` other than ``1``: such a run asks for nothing of ours up front, so it
+    gets a process in which nothing was imported before its code runs;
+  - any variable whose name starts with one of :data:`IMPORT_TIME_PREFIXES` (the interpreter's
+    ``PYTHON*``, thread pools, the dynamic loader and allocator, torch/DeepSpeed/Hugging
+    Face/bitsandbytes settings, SAT's log level, the temp and cache directories) differs from the
+    server's value. If the *base* environment itself changed that way (``sys.path`` grew, so
+    ``PYTHONPATH`` did), the server is restarted with the new one instead, at most
+    :data:`MAX_RESTARTS` times.
+
+Everything else (``RANK``, ``MASTER_PORT``, ``SAT_PATCHES_*`` knobs, a test's own variables) is
+only read at run time and is simply the forked rank's ``os.environ``.
+
+What a fork cannot give: forked ranks share the server's string-hash secret (fresh processes each
+draw their own), so an iteration order over a set of strings is the same on every forked rank; code
+whose collectives could depend on such an order is checked with ``SAT_PATCHES_TEST_FRESH=1``. Import
+-time messages (DeepSpeed's accelerator line, bitsandbytes' kernel notice) are printed once into the
+server's log, not into each rank's output. numpy's global generator is reseeded in each fork, and
+Python's ``random`` reseeds itself after a fork.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_server.py")
+LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
+FRESH_ENV = "SAT_PATCHES_TEST_FRESH"
+READY_TIMEOUT = 300.0   # the server's imports; a loaded 2-core machine takes 15 s
+MAX_RESTARTS = 3
+IMPORT_TIME_PREFIXES = (
+    "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES",
+    "TORCH", "PYTORCH_", "CUDA_", "DS_", "DEEPSPEED", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "BNB_",
+    "TRITON", "SAT_LOGLEVEL", "LOGLEVEL", "USE_XFORMERS", "TMPDIR", "HOME", "XDG_",
+)
+
+
+def forced_fresh() -> bool:
+    return os.environ.get(FRESH_ENV, "") not in ("", "0")
+
+
+def fresh_reason(env: Dict[str, str], server_env: Dict[str, str]) -> Optional[str]:
+    """Why a rank with environment ``env`` cannot be forked from a server started with
+    ``server_env`` (see the module docstring), or None when it can."""
+    disabled = {n.strip() for n in env.get("SAT_PATCHES_DISABLE", "").split(",")}
+    named = sorted({"triton_rotary_import", "all"} & disabled)
+    if named:
+        return f"SAT_PATCHES_DISABLE names {named[0]} (import sat must run without the triton stand-in)"
+    if env.get("SAT_PATCHES_IMPORT", "1") != "1":
+        return "SAT_PATCHES_IMPORT is not 1 (nothing may be imported before the rank's code)"
+    for key in sorted(set(env) | set(server_env)):
+        if key.startswith(IMPORT_TIME_PREFIXES) and env.get(key) != server_env.get(key):
+            return f"{key} differs from the fork server's (read at import time)"
+    return None
+
+
+def _module_command(cmd: Sequence[str]) -> bool:
+    return len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
+
+
+class ForkedRank:
+    """A rank forked by the server, with the parts of :class:`subprocess.Popen` the launcher uses.
+
+    The server, not this process, reaps the rank. :meth:`poll` reads every exit report first, so
+    ``os.killpg(pid)`` after ``poll() is None`` can only miss when the rank was reaped in the few
+    milliseconds since and its pid already reused, which the kernel's pid cycling makes negligible."""
+
+    def __init__(self, server: "ForkServer", request_id: int, pid: int, args):
+        self._server, self._id, self.pid, self.args = server, request_id, pid, list(args)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self._server.pump(0)
+            self.returncode = self._server.exits.pop(self._id, None)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if self._server.dead:
+                raise RuntimeError(f"the fork server exited while rank pid {self.pid} ran")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._server.pump(left)
+        return self.returncode
+
+
+class ForkServer:
+    """Parent side of one server process: start, spawn, collect exit codes, stop."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = dict(env)
+        self.exits: Dict[int, int] = {}  # request id -> exit code
+        self.dead = False
+        self._replies: Dict[int, object] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._owner = os.getpid()
+        req_r, self._req_w = os.pipe()
+        self._rep_r, rep_w = os.pipe()
+        log_fd, self.log = tempfile.mkstemp(prefix="satp-zygote-", suffix=".log")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", LOADER, SERVER, str(req_r), str(rep_w)],
+                                         env=self.env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                         pass_fds=(req_r, rep_w), start_new_session=True)
+        finally:
+            os.close(req_r), os.close(rep_w), os.close(log_fd)
+        message = self._read(READY_TIMEOUT)
+        if not (isinstance(message, tuple) and message[0] == "ready"):
+            self.close()
+            detail = message[1] if isinstance(message, tuple) and message[0] == "failed" else repr(message)
+            raise RuntimeError(f"fork server did not start: {detail}\n{self._log_tail()}")
+        self.preloaded = message[2]
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def _read(self, timeout: Optional[float]):
+        """One message from the server; None on timeout; marks the server dead on end of file."""
+        if self.dead:
+            return None
+        readable, _, _ = select.select([self._rep_r], [], [], timeout)
+        if not readable:
+            return None
+        head = self._read_exact(4)
+        body = None if head is None else self._read_exact(struct.unpack("!I", head)[0])
+        if body is None:
+            self.dead = True
+            return None
+        return pickle.loads(body)
+
+    def _read_exact(self, n: int) -> Optional[bytes]:
+        chunks = []
+        while n:
+            chunk = os.read(self._rep_r, n)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def pump(self, timeout: Optional[float]) -> None:
+        """Take in what the server sent; wait up to ``timeout`` for the first message."""
+        with self._lock:
+            message = self._read(timeout)
+            while message is not None:
+                kind = message[0]
+                if kind == "exit":
+                    self.exits[message[1]] = message[2]
+                elif kind in ("spawned", "spawn_failed"):
+                    self._replies[message[1]] = message
+                message = self._read(0)
+
+    def spawn(self, cmd: Sequence[str], env: Dict[str, str], stdout: str, stderr: str) -> ForkedRank:
+        with self._lock:
+            if self.dead:
+                raise RuntimeError("the fork server is gone")
+            self._next_id += 1
+            rid = self._next_id
+            data = pickle.dumps({"id": rid, "cmd": list(cmd), "env": dict(env), "cwd": os.getcwd(),
+                                 "stdout": stdout, "stderr": stderr})
+            data = struct.pack("!I", len(data)) + data
+            try:
+                while data:
+                    data = data[os.write(self._req_w, data):]
+            except OSError as exc:
+                self.dead = True
+                raise RuntimeError(f"the fork server is gone: {exc!r}") from exc
+            while rid not in self._replies:
+                if self.dead:
+                    raise RuntimeError("the fork server exited before forking")
+                self.pump(None)
+            reply = self._replies.pop(rid)
+            if reply[0] != "spawned":
+                raise RuntimeError(f"the fork server could not fork: {reply[2]}")
+            return ForkedRank(self, rid, reply[2], cmd)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End of file on the request pipe: the server kills what still runs and exits."""
+        if os.getpid() != self._owner:
+            return
+        self.dead = True
+        for fd in (self._req_w, self._rep_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.unlink(self.log)
+        except OSError:
+            pass
+
+
+_server: Optional[ForkServer] = None
+_failure: Optional[str] = None
+_restarts = 0
+_guard = threading.Lock()
+
+
+def server_for(base_env: Dict[str, str]) -> Optional[ForkServer]:
+    """The session's server, started (or restarted for a changed base environment) on demand;
+    None when it cannot be had (the reason is in :func:`failure`)."""
+    global _server, _failure, _restarts
+    with _guard:
+        if _server is not None and _server._owner != os.getpid():
+            _server = None  # a forked copy of the parent does not own the parent's server
+        if _server is not None and (_server.dead or fresh_reason(base_env, _server.env)):
+            if _restarts >= MAX_RESTARTS:
+                return _server if not _server.dead else None
+            _restarts += 1
+            _server.close()
+            _server = None
+        if _server is None and _failure is None:
+            try:
+                _server = ForkServer(base_env)
+            except Exception as exc:  # noqa: BLE001 (any failure: fall back to fresh processes)
+                _failure = str(exc)
+        return _server
+
+
+def failure() -> Optional[str]:
+    return _failure
+
+
+def shutdown() -> None:
+    global _server
+    with _guard:
+        if _server is not None:
+            _server.close()
+            _server = None
+
+
+atexit.register(shutdown)
+
+
+def start(cmd: List[str], env: Dict[str, str], stdout: str, stderr: str, base_env: Dict[str, str],
+          fresh: bool = False):
+    """Fork ``cmd`` from the server when the rule allows. Returns ``(ForkedRank, None)`` or
+    ``(None, reason)`` when the caller must start a fresh process."""
+    if fresh:
+        return None, "fresh=True"
+    if forced_fresh():
+        return None, f"{FRESH_ENV}=1"
+    if not _module_command(cmd):
+        return None, "not a 'python -m module' command"
+    reason = fresh_reason(env, base_env)
+    if reason:
+        return None, reason
+    server = server_for(base_env)
+    if server is None:
+        return None, f"no fork server: {_failure}"
+    reason = fresh_reason(env, server.env)
+    if reason:
+        return None, reason
+    try:
+        return server.spawn(cmd, env, stdout, stderr), None
+    except RuntimeError as exc:
+        return None, str(exc)

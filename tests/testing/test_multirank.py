@@ -1,0 +1,137 @@
+"""The fork server behind run_ranks/run_script: forked ranks are captured, timed out, killed and
+patched like fresh processes, and the rule sends import-time-sensitive environments to fresh ones."""
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from sat_patches.testing import multirank, run_ranks, run_script, zygote
+
+pytestmark = pytest.mark.multirank
+
+
+def report(marker):
+    """Rank function: what the rank sees of its process, environment and output streams."""
+    print(f"out {marker} rank {os.environ['RANK']}")
+    print(f"err {marker} rank {os.environ['RANK']}", file=sys.stderr)
+    return {"rank": os.environ["RANK"], "probe": os.environ.get("SATP_PROBE"), "pid": os.getpid(),
+            "session_leader": os.getsid(0) == os.getpid(), "stdin": os.readlink("/proc/self/fd/0"),
+            "cwd": os.getcwd(), "path0": sys.path[0], "argv0": os.path.basename(sys.argv[0]),
+            "omp": os.environ["OMP_NUM_THREADS"]}
+
+
+def patch_state():
+    """Rank function: is SAT's broadcast_data ours, and which function object is on SAT's module."""
+    import sat.mpu.data
+    import sat_patches
+    from sat_patches.core.registry import REGISTRY
+    patch = REGISTRY.get("broadcast_data_device")
+    return {"is_patched": sat_patches.is_patched("broadcast_data_device"),
+            "sat_has_replacement": sat.mpu.data.broadcast_data is patch.replacement,
+            "code_file": os.path.basename(sat.mpu.data.broadcast_data.__code__.co_filename)}
+
+
+def kill_self():
+    print("about to SIGKILL myself", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang(dump_after):
+    """Never returns; faulthandler dumps the stacks to stderr first, as the hang patches do."""
+    import faulthandler
+    faulthandler.dump_traceback_later(dump_after, exit=False, file=sys.stderr)
+    print("hanging", flush=True)
+    while True:
+        time.sleep(0.1)
+
+
+def fail():
+    raise ValueError("rank function failed on purpose")
+
+
+def test_forked_ranks_have_their_own_output_environment_and_session():
+    results = run_ranks(report, 2, args=("hi",), timeout=120, env={"SATP_PROBE": "probe-value"})
+    assert [r.forked for r in results] == [True, True], [r.fresh_reason for r in results]
+    for rank, r in enumerate(results):
+        assert r.ok, r.output[-3000:]
+        assert r.stdout.endswith(f"out hi rank {rank}\n") and r.stderr.endswith(f"err hi rank {rank}\n")
+        got = r.result
+        assert got["rank"] == str(rank) and got["probe"] == "probe-value" and got["omp"] == "1"
+        assert got["session_leader"] and got["stdin"] == os.devnull
+        assert got["cwd"] == os.getcwd() == got["path0"] and got["argv0"] == "_rank_main.py"
+    assert results[0].result["pid"] != results[1].result["pid"]
+
+
+def test_patched_and_stock_forked_ranks_differ():
+    [patched] = run_ranks(patch_state, 1, timeout=120)
+    [stock] = run_ranks(patch_state, 1, timeout=120, patches="stock")
+    assert patched.forked and stock.forked
+    assert patched.result == {"is_patched": True, "sat_has_replacement": True, "code_file": "devices.py"}
+    assert stock.result == {"is_patched": False, "sat_has_replacement": False, "code_file": "data.py"}
+
+
+def test_a_rank_killed_by_sigkill_reports_minus_9():
+    [r] = run_ranks(kill_self, 1, timeout=120)
+    assert r.forked and r.returncode == -signal.SIGKILL and not r.timed_out
+    assert "about to SIGKILL myself" in r.stdout and r.result is None
+
+
+def test_a_hanging_rank_is_killed_at_the_timeout_after_its_faulthandler_dump():
+    started = time.monotonic()
+    [r] = run_ranks(hang, 1, args=(0.5,), timeout=8)  # room for the rank's own imports on a busy machine
+    assert time.monotonic() - started < 30
+    assert r.forked and r.timed_out and r.returncode == -signal.SIGKILL and not r.ok
+    assert "hanging" in r.stdout
+    assert "Thread 0x" in r.stderr or "Current thread 0x" in r.stderr, r.stderr[-2000:]
+    assert "in hang" in r.stderr
+
+
+def test_a_failing_function_and_a_script_exit_code(tmp_path):
+    [r] = run_ranks(fail, 1, timeout=120)
+    assert r.forked and r.returncode == 1 and "rank function failed on purpose" in r.exception
+    script = tmp_path / "exits.py"
+    script.write_text("import os, sys\nprint('script rank', os.environ['RANK'])\nsys.exit(3)\n")
+    [s] = run_script([str(script)], nranks=1, timeout=120)
+    assert s.forked and s.returncode == 3 and s.stdout == "script rank 0\n"
+    script.write_text("raise KeyError('uncaught in the script')\n")
+    [u] = run_script([str(script)], nranks=1, timeout=120)
+    assert u.forked and u.returncode == 1 and "KeyError: 'uncaught in the script'" in u.stderr
+
+
+@pytest.mark.parametrize("change, expect", [
+    ({"SAT_PATCHES_DISABLE": "triton_rotary_import"}, "triton_rotary_import"),
+    ({"SAT_PATCHES_DISABLE": "lora_linear,all"}, "all"),
+    ({"SAT_PATCHES_IMPORT": "0"}, "SAT_PATCHES_IMPORT"),
+    ({"PYTHONHASHSEED": "0"}, "PYTHONHASHSEED"),
+    ({"OMP_NUM_THREADS": "2"}, "OMP_NUM_THREADS"),
+    ({"TORCH_LOGS": "dynamo"}, "TORCH_LOGS"),
+    ({"HF_HOME": "/elsewhere"}, "HF_HOME"),
+    ({"SAT_PATCHES_DISABLE": ",".join(multirank.stock_disable())}, None),   # stock runs fork
+    ({"RANK": "5", "MASTER_PORT": "1234", "KILL_RANK": "1", "SAT_PATCHES_HEARTBEAT_TIMEOUT": "3"}, None),
+])
+def test_the_fallback_rule(change, expect):
+    base = multirank._base_env()
+    env = {**multirank._rank_env(0, 1, 1234, True, None), **change}
+    reason = zygote.fresh_reason(env, base)
+    assert (reason is None) if expect is None else (expect in reason), reason
+
+
+def test_callers_can_ask_for_fresh_processes(monkeypatch):
+    base = multirank._base_env()
+    cmd = [sys.executable, "-m", "sat_patches.testing._rank_main", "x", "y"]
+    env = multirank._rank_env(0, 1, 1234, True, None)
+    assert zygote.start(cmd, env, "/dev/null", "/dev/null", base, fresh=True) == (None, "fresh=True")
+    monkeypatch.setenv(zygote.FRESH_ENV, "1")
+    assert zygote.start(cmd, env, "/dev/null", "/dev/null", base) == (None, "SAT_PATCHES_TEST_FRESH=1")
+    monkeypatch.delenv(zygote.FRESH_ENV)
+    _, reason = zygote.start([sys.executable, "script.py"], env, "/dev/null", "/dev/null", base)
+    assert "python -m" in reason
+
+
+def test_an_import_time_environment_gets_a_fresh_process_that_honours_it():
+    [r] = run_ranks(report, 1, args=("fresh",), timeout=180, env={"PYTHONHASHSEED": "0"})
+    assert r.ok, r.output[-3000:]
+    assert not r.forked and "PYTHONHASHSEED" in r.fresh_reason
+    assert r.stdout.endswith("out fresh rank 0\n") and r.result["session_leader"]
