@@ -30,10 +30,9 @@ _auto = {"pending": True, "applying": False}
 
 
 def _registered():
-    """The registry with every patch declared (importing the patch modules imports SAT)."""
-    if not REGISTRY.patches:
-        from .patches import PATCHES
-        REGISTRY.add(*PATCHES)  # in the order sat_patches.patches gives, innermost first
+    """The registry with every patch declared: importing :mod:`sat_patches.patches` registers them, in
+    its order (and imports SAT)."""
+    from . import patches  # noqa: F401
     return REGISTRY
 
 

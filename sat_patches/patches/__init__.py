@@ -27,6 +27,8 @@ later wraps the ones listed earlier (its code runs first on the way in and last 
 """
 import sys
 
+from ..core.registry import REGISTRY
+
 # rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
@@ -52,6 +54,7 @@ MODULES = [
 ]
 
 PATCHES = [patch for module in MODULES for patch in module.PATCHES]
+REGISTRY.add(*PATCHES)
 
 # Importing the modules above imported SAT. If that was SAT's first import, ``import sat_patches``
 # left the patches waiting for it: they go on now.

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Union
+
+from ..core.ports import free_port
 
 # Stand-ins for what a GPU machine has (triton, a CUDA rotary kernel); kept in "stock" runs so that
 # stock SAT can be imported and run on CPU at all.
@@ -53,11 +54,6 @@ class RankResult:
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _patch_env(patches) -> dict:

@@ -42,6 +42,18 @@ def test_import_alone_costs_no_sat_and_patches_go_on_when_sat_is_imported():
     assert "AFTER get_args_cpu_device" in out.stdout  # on by the time ``import sat`` returned
 
 
+@pytest.mark.parametrize("first_call", ["names", "status", "is_patched"])
+def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(first_call):
+    call = {"names": "sat_patches.names()", "status": "sat_patches.status()",
+            "is_patched": "sat_patches.is_patched('lora_linear')"}[first_call]
+    code = (f"import sys, sat_patches\n{call}\nassert 'sat' in sys.modules\n"
+            "names = sat_patches.names()\n"
+            "print('ONCE', len(names) == len(set(names)), 'APPLIED', sat_patches.is_patched('lora_linear'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ONCE True APPLIED True" in out.stdout
+
+
 def test_unpatch_before_import_sat_leaves_sat_stock():
     code = ("import sat_patches\nsat_patches.unpatch()\nimport sat.arguments\n"
             "print('MARK', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
