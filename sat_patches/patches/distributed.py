@@ -14,9 +14,8 @@ import warnings
 import torch.distributed as dist
 
 from . import devices
+from ..core.coordination import NO_BACKEND, error_kinds
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
-
-NO_BACKEND = "No backend type associated with device type"
 
 
 def process_group_backend(requested: str = "nccl") -> str:
@@ -88,7 +87,7 @@ def explained_collectives(where: str, named_tensors):
     try:
         yield
     except RuntimeError as exc:
-        if NO_BACKEND not in str(exc):
+        if NO_BACKEND not in error_kinds(exc):
             raise
         backend = str(dist.get_backend()) if dist.is_initialized() else "?"
         served = _devices_served(backend)

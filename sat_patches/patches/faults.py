@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
+from ..core.coordination import PEER_LOST, error_kinds, group_store
 from ..core.registry import Patch, expect_names, expect_params
 from ..core.settings import env_seconds
 
@@ -210,12 +211,13 @@ class Heartbeat:
                 pass
             reason = self.dead()
             if reason and not self.stop.is_set():
-                self._fire(reason)
+                self.fire(reason)
 
-    def _fire(self, reason: str) -> None:
+    def fire(self, reason: str) -> None:
+        """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
+        dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
         from . import hangs
-        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=bool(
-            hangs._watchdog and hangs._watchdog.inflight))
+        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=hangs.in_collective())
 
     def wait_for_dead(self) -> Optional[str]:
         """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
@@ -239,24 +241,16 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     timeout = heartbeat_timeout() if timeout is None else timeout
     if _heartbeat is not None or timeout is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return _heartbeat
-    store = dist.distributed_c10d._get_default_store()
-    _heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout)
+    _heartbeat = Heartbeat(group_store(), dist.get_rank(), dist.get_world_size(), timeout)
     _heartbeat.beat()
     _heartbeat.thread.start()
     return _heartbeat
 
 
-_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "by peer", "nccl error", "ncclremoteerror",
-              "ncclsystemerror")
-
-
 def _lost_peer(exc: BaseException) -> bool:
     """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
     a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
-    import torch.distributed as dist
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return any(text in str(exc).lower() for text in _PEER_GONE)
+    return PEER_LOST in error_kinds(exc)
 
 
 def _training_main(original):
@@ -271,7 +265,7 @@ def _training_main(original):
             if hb is not None and _lost_peer(exc):
                 reason = hb.wait_for_dead()
                 if reason:
-                    hb._fire(reason)
+                    hb.fire(reason)
             raise
         if hb is not None:
             hb.done()
