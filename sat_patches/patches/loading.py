@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
 import functools
 import os
 import sys
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from . import construction, devices
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
-from ..core.coordination import _SharedStart, _store, barrier, check_local_world_size, stage, store_gather
+from ..core.coordination import barrier, check_local_world_size, group_store, stage, store_gather
 from ..checkpoints.sharding import ShardedSource, release_pages, split_of
 
 
@@ -231,7 +232,7 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     if mode == "finetune":
         iteration = 0
     elif mode == "pretrain" and not getattr(args, "no_load_rng", False):
-        _restore_rng(source.own)
+        restore_rng(source.own)
     elif mode == "inference":
         module.eval()
     del source
@@ -262,7 +263,9 @@ def _handle_missing(module, args, mode, missing):
         module.reinit(names)
 
 
-def _restore_rng(saved: dict) -> None:
+def restore_rng(saved: dict) -> None:
+    """Set Python's, numpy's, torch's (and CUDA's) random states from a SAT checkpoint's saved dict;
+    a state the checkpoint lacks is left as it is, with a warning."""
     import random
     import numpy as np
     states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
@@ -413,6 +416,46 @@ def _initialize_model_parallel(original):
     return initialize_model_parallel
 
 
+class SharedStartClock:
+    """Stands in for the ``datetime`` class in SAT's training module (``from datetime import datetime``).
+
+    Everything is the real class's, except that after :meth:`share` the next ``now()`` returns the
+    shared time (rank 0's start, which SAT's ``training_main`` turns into ``experiment_name``); later
+    calls return the real time again."""
+
+    def __init__(self, real):
+        self.real = real
+        self._shared = None
+
+    def share(self, start) -> None:
+        """The next ``now()`` returns ``start`` (None: the real time)."""
+        self._shared = start
+
+    def now(self, tz=None):
+        shared, self._shared = self._shared, None
+        return self.real.now(tz) if shared is None else shared
+
+    def __call__(self, *args, **kwargs):
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __instancecheck__(self, obj):
+        return isinstance(obj, self.real)
+
+    def __subclasscheck__(self, cls):
+        return issubclass(cls, self.real)
+
+
+def _shared_start_clock(original):
+    return SharedStartClock(original)
+
+
+def _expect_datetime_class(original):
+    return None if original is datetime.datetime else f"it is {original!r}, not the datetime class"
+
+
 _runs = 0
 
 
@@ -423,17 +466,18 @@ def _training_main(original):
     def training_main(args, *a, **kw):
         timestamped = not (args.load and args.mode == "pretrain")
         global _runs
-        clock = module.datetime
-        if timestamped and _store() is not None:
+        clock = getattr(module, "datetime", None)
+        shared = isinstance(clock, SharedStartClock) and timestamped and group_store() is not None
+        if shared:
             _runs += 1
-            start = clock.now().isoformat() if dist.get_rank() == 0 else ""
-            start = store_gather(f"start/{_runs}", start)[0]
-            module.datetime = _SharedStart(module, clock, clock.fromisoformat(start))
+            start = clock.real.now().isoformat() if dist.get_rank() == 0 else ""
+            clock.share(clock.real.fromisoformat(store_gather(f"start/{_runs}", start)[0]))
         try:
             with all_ranks_loading():
                 return original(args, *a, **kw)
         finally:
-            module.datetime = clock
+            if shared:
+                clock.share(None)
     return training_main
 
 
@@ -460,6 +504,10 @@ PATCHES = [
           answers="SAT 173 / CogVLM finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env on a 2-GPU box "
                   "leaves SAT's node groups empty ('node group is not initialized')",
           expect=expect_names("environ", "_NODE_GROUP", "new_group")),
+    Patch("shared_experiment_start", "sat.training.deepspeed_training:datetime", _shared_start_clock,
+          answers="THUDM/CogVLM#269: SAT's training module reads the clock of each rank for experiment_name; "
+                  "it gets a clock whose first now() in training_main is rank 0's start time",
+          expect=_expect_datetime_class),
     Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main", _training_main,
           answers="CogVLM 269: experiment_name timestamps differ per rank, one MP run saves into two directories",
           expect=expect_names("experiment_name", "datetime", "strftime")),

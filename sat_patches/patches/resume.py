@@ -161,10 +161,10 @@ def restore_rng_states(args) -> None:
     """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
     if getattr(args, "no_load_rng", False):
         return
-    from .loading import _restore_rng
+    from .loading import restore_rng
     states = _model_states(args)
     if states is not None:
-        _restore_rng(states)
+        restore_rng(states)
 
 
 class ResumableBatchSampler(torch.utils.data.BatchSampler):

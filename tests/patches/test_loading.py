@@ -197,3 +197,31 @@ def test_meta_model_materialises_with_ties_shared_modules_and_attributes(tmp_pat
         got = model.state_dict()[key]
         assert got.dtype == torch.bfloat16, key  # the run's dtype, converted while copying
         assert torch.equal(got.float(), want.to(got.dtype).float()), key
+
+
+def test_shared_experiment_start_is_a_patch_that_unpatch_restores():
+    """SAT's training module gets rank 0's start time through a registered patch on its ``datetime``:
+    listed by status(), and unpatch() puts SAT's own datetime class back."""
+    import datetime
+    import sat.training.deepspeed_training as training
+    import sat_patches
+    from sat_patches.patches.loading import SharedStartClock
+    row = {r["name"]: r for r in sat_patches.status()}["shared_experiment_start"]
+    assert row["status"] == "applied" and row["target"] == "sat.training.deepspeed_training:datetime"
+    assert "THUDM/CogVLM#269" in row["answers"]
+    clock = training.datetime
+    assert isinstance(clock, SharedStartClock) and sat_patches.is_patched("shared_experiment_start")
+    now = clock.now()
+    assert type(now) is datetime.datetime and isinstance(now, clock)         # the real clock until shared
+    assert clock.fromisoformat("2020-01-02T03:04:00") == datetime.datetime(2020, 1, 2, 3, 4)
+    start = datetime.datetime(2020, 1, 2, 3, 4)
+    clock.share(start)
+    assert clock.now() == start                       # once: experiment_name's timestamp
+    assert clock.now() > start
+    try:
+        sat_patches.unpatch("shared_experiment_start")
+        assert training.datetime is datetime.datetime
+        assert not sat_patches.is_patched("shared_experiment_start")
+    finally:
+        sat_patches.apply()
+    assert isinstance(training.datetime, SharedStartClock)
