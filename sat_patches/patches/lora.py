@@ -41,21 +41,11 @@ from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
 from . import devices
+from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
 from ..core.registry import Patch, expect_names, expect_params
 
 CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LORA_CHUNK_MB", "64")) * 2**20)
 """Largest temporary (bytes) of a LoRA merge; ``SAT_PATCHES_LORA_CHUNK_MB`` sets it (default 64)."""
-
-COLUMN, ROW, PLAIN = "column", "row", "plain"
-
-
-def parallel_kind(layer: nn.Module) -> str:
-    if isinstance(layer, ColumnParallelLinear):
-        return COLUMN
-    if isinstance(layer, RowParallelLinear):
-        return ROW
-    return PLAIN
-
 
 def full_shape(layer: nn.Module):
     """(out_features, in_features) of ``layer`` over all model-parallel ranks."""
@@ -130,10 +120,10 @@ class LoraLinear(nn.Module):
         rows = segment_sizes(out_features, partition)
         self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
-        for a in self.matrix_A:
-            _mark_split(a, self.kind == ROW)
-        for b in self.matrix_B:
-            _mark_split(b, self.kind == COLUMN)
+        for factor in ("matrix_A", "matrix_B"):
+            split = lora_factor_split(self.kind, factor) is not None
+            for p in getattr(self, factor):
+                _mark_split(p, split)
         self.reset_lora_parameters()
         self.register_load_state_dict_post_hook(_plain_checkpoint_has_no_lora_keys)
 
@@ -347,10 +337,10 @@ def lora_layout(model: nn.Module) -> Dict[str, LoraLayout]:
 
 
 def _rule(kind: str, suffix: str) -> str:
-    if suffix.startswith("matrix_A."):
-        return "cols" if kind == ROW else "copy"
-    if suffix.startswith("matrix_B."):
-        return "rows" if kind == COLUMN else "copy"
+    factor = suffix.partition(".")[0]
+    if factor in ("matrix_A", "matrix_B"):
+        split = lora_factor_split(kind, factor)
+        return "copy" if split is None else ("rows", "cols")[split.dim]
     if suffix == "original.weight":
         return {COLUMN: "segments", ROW: "cols"}.get(kind, "copy")
     if suffix == "original.bias":
