@@ -1,6 +1,6 @@
 """Hang dumps: a collective that does not complete within the collective timeout ends the run on
 every rank with each rank's Python stacks, naming the SAT call it was blocked in, and a non-zero exit
-status -- instead of waiting 30 minutes (gloo) or until someone kills the job (issue 6).
+status -- instead of waiting 30 minutes (gloo) or until someone kills the job, as stock SAT does.
 
 * ``SAT_PATCHES_COLLECTIVE_TIMEOUT`` (seconds) becomes the timeout of every process group SAT's
   ``initialize_distributed`` creates (NCCL's own watchdog then aborts a stuck GPU collective).
@@ -251,7 +251,8 @@ PATCHES = [
           expect=expect_names("init_process_group")),
 ] + [
     Patch(f"hang_watch_{name}", f"torch.distributed:{name}", _timed_collective,
-          answers=f"issue 6 hang dumps: a blocked {name} names the SAT call and ends the run on every rank",
+          answers=f"stock SAT waits silently in a blocked {name} (30 min with gloo): now it names the SAT call "
+                  f"and ends the run on every rank",
           verified_on="torch 2.13")
     for name in COLLECTIVES
 ]

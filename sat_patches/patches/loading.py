@@ -1,11 +1,11 @@
-"""Checkpoints load with little host memory, rank-locally, at any model-parallel size (issue 5).
+"""Checkpoints load with little host memory, rank-locally, at any model-parallel size.
 
-What SAT 0.4.12 does (field notes, "Host memory"): ``load_checkpoint`` ``torch.load``s the whole file
-into RAM on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the
-node's rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` +
-``send`` every partition (SAT 173, CogVLM 283/320/162); it mutates the caller's ``args`` and
-``overwrite_args``; from an MP=N checkpoint to MP=N it raises "model_parallel_size is inconsistent"
-(CogVLM 233).
+What SwissArmyTransformer 0.4.12 does: ``load_checkpoint`` ``torch.load``s the whole file into RAM
+on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the node's
+rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` + ``send``
+every partition (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#283, #320, #162); it mutates the
+caller's ``args`` and ``overwrite_args``; from an MP=N checkpoint to MP=N it raises
+"model_parallel_size is inconsistent" (THUDM/CogVLM#233).
 
 Here (this module: loading a state into a model, SAT's entry points and the patches):
 
@@ -17,7 +17,8 @@ Here (this module: loading a state into a model, SAT's entry points and the patc
   the compute device instead (initialised, as SAT does) and loads into it.
 * Ranks meet behind :mod:`sat_patches.core.coordination`'s barriers, which have a timeout;
   ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node and ``experiment_name``
-  is decided on rank 0 (CogVLM 269: per-rank timestamps split one run's checkpoints across directories).
+  is decided on rank 0 (THUDM/CogVLM#269: per-rank timestamps split one run's checkpoints across
+  directories).
 """
 from __future__ import annotations
 
@@ -488,27 +489,30 @@ def _expect_from_pretrained(original):
 
 PATCHES = [
     Patch("load_checkpoint_mmap", "sat.training.model_io:load_checkpoint", _load_checkpoint,
-          answers="CogVLM 283/320/162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
+          answers="THUDM/CogVLM#283, #320, #162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
                   "MP=N checkpoints load only at MP=N",
           expect=expect_names("get_checkpoint_name", "load_state_dict", "reinit")),
     Patch("from_pretrained_rank_local", "sat.model.base_model:BaseModel.from_pretrained", _from_pretrained(False),
-          answers="SAT 173 / CogVLM 162, 233: MP>1 from_pretrained builds the full model on node rank 0 and "
-                  "sends partitions (.cuda()); MP=N to MP=N raises 'model_parallel_size is inconsistent'; "
+          answers="THUDM/SwissArmyTransformer#173, THUDM/CogVLM#162, #233: MP>1 from_pretrained builds the full "
+                  "model on node rank 0 and sends partitions (.cuda()); MP=N to MP=N raises "
+                  "'model_parallel_size is inconsistent'; "
                   "mutates the caller's args",
           expect=_expect_from_pretrained),
     Patch("automodel_from_pretrained_rank_local", "sat.model.base_model:AutoModel.from_pretrained",
           _from_pretrained(True),
-          answers="SAT 173 / CogVLM 233: AutoModel.from_pretrained, same model-parallel path as BaseModel's",
+          answers="THUDM/SwissArmyTransformer#173, THUDM/CogVLM#233: AutoModel.from_pretrained, same "
+                  "model-parallel path as BaseModel's",
           expect=_expect_from_pretrained),
     Patch("local_world_size_check", "sat.mpu.initialize:initialize_model_parallel", _initialize_model_parallel,
-          answers="SAT 173 / CogVLM finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env on a 2-GPU box "
-                  "leaves SAT's node groups empty ('node group is not initialized')",
+          answers="THUDM/SwissArmyTransformer#173, CogVLM's finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env "
+                  "on a 2-GPU box leaves SAT's node groups empty ('node group is not initialized')",
           expect=expect_names("environ", "_NODE_GROUP", "new_group")),
     Patch("shared_experiment_start", "sat.training.deepspeed_training:datetime", _shared_start_clock,
           answers="THUDM/CogVLM#269: SAT's training module reads the clock of each rank for experiment_name; "
                   "it gets a clock whose first now() in training_main is rank 0's start time",
           expect=_expect_datetime_class),
     Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main", _training_main,
-          answers="CogVLM 269: experiment_name timestamps differ per rank, one MP run saves into two directories",
+          answers="THUDM/CogVLM#269: experiment_name timestamps differ per rank, one MP run saves into two "
+                  "directories; rank 0's start time is shared (with shared_experiment_start)",
           expect=expect_names("experiment_name", "datetime", "strftime")),
 ]

@@ -1,4 +1,4 @@
-"""LoRA for SAT 0.4.12 (``sat/model/finetune/lora2.py``): by reference, on the right device,
+"""LoRA for SwissArmyTransformer 0.4.12 (``sat/model/finetune/lora2.py``): by reference, on the right device,
 correct under model parallelism, and QLoRA that runs.
 
 What stock ``lora2`` does, and what replaces it here:
@@ -300,7 +300,7 @@ def lora_targets(layer, cross_attention: bool):
 
 
 def _reinit(original):
-    """CogVLM 438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
+    """THUDM/CogVLM#438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
     def reinit(self, parent_model=None):
         from sat.model.finetune import lora2
         transformer = parent_model.transformer
@@ -424,37 +424,39 @@ def _expect_lora_linear(cls):
 
 
 def _lora_linear(original):
-    """CogVLM 283/320 (base-layer copies), 328 (LoRA params on CPU), 438 (QLoRA NameError 'dtype');
-    field notes: RowParallel LoRA never all-reduces x @ A^T."""
+    """THUDM/CogVLM#283, #320 (base-layer copies), #328 (LoRA params on CPU), #438 (QLoRA NameError
+    'dtype'); stock SAT's LoRA on a RowParallelLinear never all-reduces x @ A^T."""
     return LoraLinear
 
 
 def _replace_linear_with_lora(original):
-    """CogVLM 268 (LoRA sized from in_size/out_size); meta bases: LoRA params moved to meta."""
+    """THUDM/CogVLM#268 (LoRA sized from in_size/out_size); meta bases: LoRA params moved to meta."""
     return replace_linear_with_lora
 
 
 def _merge_linear_lora(original):
-    """CogVLM 117/451 (merging MP LoRA), 257 (QLoRA merge assumes a bias): plain nn.Linear(...).cuda()."""
+    """THUDM/CogVLM#117, #451 (merging MP LoRA), #257 (QLoRA merge assumes a bias): stock SAT returns a plain
+    nn.Linear(...).cuda()."""
     return merge_linear_lora
 
 
 PATCHES = [
     Patch("lora_linear", "sat.model.finetune.lora2:LoraLinear", _lora_linear,
           answers="LoRA by reference on the base weight's device/dtype; RowParallel LoRA all-reduces "
-                  "x@A^T (field notes: ranks disagree by ~0.47); QLoRA NameError 'dtype' (CogVLM 438); "
-                  "CPU LoRA params under NCCL (CogVLM 328); host-memory copies (CogVLM 283/320)",
+                  "x@A^T (stock SAT does not: model-parallel ranks disagree once B != 0); QLoRA NameError 'dtype' "
+                  "(THUDM/CogVLM#438); CPU LoRA params under NCCL (THUDM/CogVLM#328); host-memory copies "
+                  "(THUDM/CogVLM#283, #320)",
           expect=_expect_lora_linear),
     Patch("lora_replace", "sat.model.finetune.lora2:replace_linear_with_lora", _replace_linear_with_lora,
           answers="replace_linear_with_lora moves new LoRA params to the base's device (meta stays meta) "
-                  "and sizes layers from in_size/out_size (CogVLM 268)",
+                  "and sizes layers from in_size/out_size (THUDM/CogVLM#268)",
           expect=expect_params("lin", "partition", "r")),
     Patch("lora_merge", "sat.model.finetune.lora2:merge_linear_lora", _merge_linear_lora,
           answers="merge_linear_lora returns nn.Linear(...).cuda() (loses model parallelism), assumes a "
-                  "bias for QLoRA (CogVLM 257), dequantises NF4 with dequantize_fp4, full-size temporaries",
+                  "bias for QLoRA (THUDM/CogVLM#257), dequantises NF4 with dequantize_fp4, full-size temporaries",
           expect=expect_names("dequantize_fp4", "cuda")),
     Patch("lora_reinit", "sat.model.finetune.lora2:LoraMixin.reinit", _reinit,
           answers="LoraMixin(qlora=True).reinit leaves the transformer's linears float and unquantised, "
-                  "cloning each (CogVLM 438)",
+                  "cloning each (THUDM/CogVLM#438)",
           expect=expect_names("replace_linear_with_lora", "HackLinearNF4")),
 ]
