@@ -121,3 +121,15 @@ def test_timeout_setting_is_validated(monkeypatch):
         hangs.collective_timeout()
     monkeypatch.setenv(hangs.ENV, "90")
     assert hangs.collective_timeout() == 90.0
+
+
+def test_one_classifier_reads_timeouts_lost_peers_and_missing_backends():
+    """hangs, faults and distributed all read errors through coordination.error_kinds."""
+    import torch.distributed as dist
+    from sat_patches.core.coordination import NO_BACKEND, PEER_LOST, TIMED_OUT, error_kinds
+    assert error_kinds(RuntimeError("[gloo/transport/tcp/pair.cc:446] Timed out waiting 5000ms for recv")) == {TIMED_OUT}
+    assert error_kinds(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(...)")) >= {TIMED_OUT}
+    assert error_kinds(RuntimeError("Connection reset by peer")) == {PEER_LOST}
+    assert PEER_LOST in error_kinds(dist.DistNetworkError("failed to recv, got 0 bytes"))
+    assert error_kinds(RuntimeError("No backend type associated with device type cpu")) == {NO_BACKEND}
+    assert error_kinds(ValueError("image folder is empty")) == frozenset()
