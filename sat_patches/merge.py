@@ -124,8 +124,9 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     ``out_dir`` with the LoRA products folded into the base weights. Raises :class:`MergeError` /
     :class:`CheckpointError` for input it cannot use. Returns what was merged."""
     from .checkpoints import files, sharding
+    from .checkpoints.state import load_state
     from .core import coordination
-    from .patches import construction, loading
+    from .patches import construction
     if os.path.exists(out_dir) and not overwrite:
         raise MergeError(f"{out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
     ckpt = files.find_checkpoint(checkpoint, iteration)
@@ -139,7 +140,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     with construction.build_on("meta", _checkpoint_dtype(state)):
         model = cls(args, params_dtype=_checkpoint_dtype(state))
     paths = inject_lora(model, state, lora_alpha)
-    missing, unexpected = loading.load_state(model, source)
+    missing, unexpected = load_state(model, source)
     if missing or unexpected:
         raise MergeError(f"{checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")

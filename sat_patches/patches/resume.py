@@ -161,7 +161,7 @@ def restore_rng_states(args) -> None:
     """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
     if getattr(args, "no_load_rng", False):
         return
-    from .loading import restore_rng
+    from ..checkpoints.state import restore_rng
     states = _model_states(args)
     if states is not None:
         restore_rng(states)

@@ -8,7 +8,8 @@ import torch
 
 from sat_patches.patches import loading
 from sat_patches.patches.loading import Checkpoint, CheckpointError, ShardedSource
-from sat_patches.checkpoints.sharding import Split
+from sat_patches.checkpoints.sharding import Split, release_pages
+from sat_patches.checkpoints.state import load_state, meta_tensors
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
@@ -153,7 +154,7 @@ def test_released_pages_read_back_the_same(tmp_path):
     source = ShardedSource(Checkpoint(str(tmp_path), 1, False, [str(tmp_path / "mp_rank_00_model_states.pt")]))
     mapped = source.state[0]["w"]
     first = mapped.clone()
-    loading.release_pages(mapped)
+    release_pages(mapped)
     assert torch.equal(mapped, first) and torch.equal(first, data)
 
 
@@ -188,9 +189,9 @@ def test_meta_model_materialises_with_ties_shared_modules_and_attributes(tmp_pat
         model = _Shared()
     assert {p.device.type for p in model.parameters()} == {"meta"}
     source = ShardedSource(Checkpoint(str(tmp_path), 1, False, [str(tmp_path / "mp_rank_00_model_states.pt")]))
-    missing, unexpected = loading.load_state(model, source)
+    missing, unexpected = load_state(model, source)
     assert missing == [] and unexpected == []
-    assert loading.meta_tensors(model) == []
+    assert meta_tensors(model) == []
     assert model.head.weight is model.embed.weight and model.embed.weight.model_parallel is False
     assert all(b.rope is model.blocks[0].rope for b in model.blocks)
     for key, want in real.state_dict().items():
