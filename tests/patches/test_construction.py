@@ -1,7 +1,7 @@
 """One construction context: with the device policy at meta and a bf16 run, every parameter SAT
 builds (base transformer, LLaMA's mixins, CogVLM-like vision-expert mixins that default to
 ``device=torch.device('cpu')``/fp32, a mixin built outside the model, layers a mixin's ``reinit``
-builds) is on meta in bf16 (issue 3 item 4).
+builds) is on meta in bf16.
 
 One process: each scenario runs patched, then with one construction patch restored (it must then
 leave CPU/fp32 parameters behind), then patched again.

@@ -17,7 +17,8 @@ PHASES = ["start", "lora", "build", "deepspeed_init", "first_step"]
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    # (--save would do, but SAT 0.4.12's final save_checkpoint fails on CPU ranks: torch's AdamW has no .optimizer)
+    # (--save would do, but SwissArmyTransformer 0.4.12's final save_checkpoint fails on CPU ranks: torch's
+    # AdamW has no .optimizer)
     run_dir = str(tmp_path_factory.mktemp("run"))
     results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir})
     for r in results:
