@@ -5,23 +5,32 @@
 One process, no GPU: each tensor is read from the memory-mapped shards, the model-parallel slices
 are joined (ColumnParallel by stride, RowParallel by input, vocabulary by rows; LoRA's ``matrix_A``/
 ``matrix_B`` by their own layouts) and ``W += scaling * B @ A`` is added in place in bounded chunks.
-This is the step that fails with stock SAT (CogVLM 117, 451: unexpected keys and shape mismatches on
-``matrix_A/B`` in ``mp_merge_model_rank0``). The output is written to a temporary directory and
-renamed into place: an existing OUTPUT_DIR is never overwritten unless ``--overwrite`` is given.
+Stock SAT has no such step: its ``mp_merge_model_rank0`` fails on LoRA checkpoints with unexpected
+keys and shape mismatches on ``matrix_A/B`` (THUDM/CogVLM#117, THUDM/CogVLM#451). The output is
+written to a temporary directory and renamed into place (:mod:`sat_patches.checkpoints.writer`): an
+existing OUTPUT_DIR is never overwritten unless ``--overwrite`` is given, and then only by a complete
+checkpoint.
+
+:func:`merge` raises :class:`MergeError` (a :class:`~sat_patches.checkpoints.files.CheckpointError`)
+for input it cannot merge; ``python -m sat_patches.merge`` prints the message and exits non-zero.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shutil
 import sys
 from typing import Dict, List
 
 import torch
 
+from .checkpoints.files import CheckpointError
+
 LORA_A = ".matrix_A."
+
+
+class MergeError(CheckpointError):
+    """A checkpoint ``merge`` cannot merge, or an output it would not overwrite; says what to change."""
 
 
 def lora_layers(keys) -> Dict[str, int]:
@@ -85,7 +94,7 @@ def model_class(name: str, imports=()):
     try:
         return model_registry.get(name)
     except ValueError:
-        raise SystemExit(f"error: model_class {name} (model_config.json) is not a registered SAT model: pass "
+        raise MergeError(f"model_class {name} (model_config.json) is not a registered SAT model: pass "
                          f"--import MODULE for the module that defines it") from None
 
 
@@ -101,37 +110,27 @@ def build_args(config: dict, dtype: torch.dtype, imports=()):
     return cls, args
 
 
-def write_checkpoint(model, config: dict, out_dir: str, overwrite: bool) -> None:
-    """Write atomically: a temporary sibling directory renamed into place."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "1"))
-    torch.save({"module": model.state_dict(), "iteration": 1},
-               os.path.join(tmp, "1", "mp_rank_00_model_states.pt"))
-    with open(os.path.join(tmp, "latest"), "w") as f:
-        f.write("1")
-    with open(os.path.join(tmp, "model_config.json"), "w") as f:
-        json.dump(config, f, indent=4)
-    if os.path.exists(out_dir):
-        old = tmp + ".old"
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
+def write_checkpoint(model, config: dict, out_dir: str) -> None:
+    """Write the MP=1 checkpoint (iteration 1) atomically: a temporary sibling directory, fsynced,
+    renamed into place."""
+    from .checkpoints import writer
+    with writer.new_checkpoint_dir(out_dir) as tmp:
+        writer.write_layout(tmp, 1, {0: {"module": model.state_dict(), "iteration": 1}}, config)
 
 
 def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
           imports=()) -> dict:
-    from .checkpoints import checkpoint_files, sharding
-    from .patches import construction, loading
+    """Merge ``checkpoint`` (any model-parallel size, LoRA or not) into an MP=1 checkpoint at
+    ``out_dir`` with the LoRA products folded into the base weights. Raises :class:`MergeError` /
+    :class:`CheckpointError` for input it cannot use. Returns what was merged."""
+    from .checkpoints import files, sharding
+    from .checkpoints.state import load_state
     from .core import coordination
+    from .patches import construction
     if os.path.exists(out_dir) and not overwrite:
-        raise SystemExit(f"error: {out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
-    ckpt = checkpoint_files.find_checkpoint(checkpoint, iteration)
-    config = checkpoint_files.read_model_config(checkpoint, need_class=True)
+        raise MergeError(f"{out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
+    ckpt = files.find_checkpoint(checkpoint, iteration)
+    config = files.read_model_config(checkpoint, need_class=True)
     with coordination.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
         source = sharding.ShardedSource(ckpt)
     state = source.state[0]
@@ -141,15 +140,15 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     with construction.build_on("meta", _checkpoint_dtype(state)):
         model = cls(args, params_dtype=_checkpoint_dtype(state))
     paths = inject_lora(model, state, lora_alpha)
-    missing, unexpected = loading.load_state(model, source)
+    missing, unexpected = load_state(model, source)
     if missing or unexpected:
-        raise SystemExit(f"error: {checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
+        raise MergeError(f"{checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     fold_lora(model, paths)
     out_config = dict(config, model_parallel_size=1)
     if "use_lora" in out_config:
         out_config["use_lora"] = False
-    write_checkpoint(model, out_config, out_dir, overwrite)
+    write_checkpoint(model, out_config, out_dir)
     return {"shards": ckpt.mp_size, "lora_layers": len(paths), "iteration": ckpt.iteration}
 
 
@@ -164,12 +163,11 @@ def main(argv=None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="module that registers the checkpoint's model_class (e.g. utils.models)")
     a = p.parse_args(argv)
-    from .checkpoints.files import CheckpointError
     try:
         info = merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite, a.imports)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, MergeError) else 2  # the statuses of the exits these errors replace
     print(f"merged {info['shards']} model-parallel shard(s) of iteration {info['iteration']} and "
           f"{info['lora_layers']} LoRA layer(s) into {a.output} (MP=1)")
     return 0

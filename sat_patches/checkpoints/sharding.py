@@ -6,8 +6,9 @@
   a chunk touched are released after it (``madvise(MADV_DONTNEED)``), so a rank's peak is its own
   share of the model plus one chunk.
 * Any model-parallel size loads from any other: every rank reads only its own slice of each split
-  tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B via
-  :mod:`sat_patches.patches.lora`) from the mapped shard files. Nothing is built in full and nothing is sent
+  tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B by
+  :func:`lora_factor_split`, the rule :mod:`sat_patches.patches.lora` builds its layers by) from the
+  mapped shard files. Nothing is built in full and nothing is sent
   between ranks. A split tensor this module cannot place stops the load with a message naming
   :data:`MERGE_COMMAND`.
 """
@@ -73,20 +74,42 @@ def split_of(model: torch.nn.Module, key: str, owner: torch.nn.Module, name: str
     return None
 
 
+COLUMN, ROW, PLAIN = "column", "row", "plain"
+"""A linear layer's model-parallel type: ColumnParallelLinear (output rows split), RowParallelLinear
+(input columns split), anything else (whole on every rank)."""
+
+
+def parallel_kind(layer: torch.nn.Module) -> str:
+    from sat.mpu import ColumnParallelLinear, RowParallelLinear
+    if isinstance(layer, ColumnParallelLinear):
+        return COLUMN
+    if isinstance(layer, RowParallelLinear):
+        return ROW
+    return PLAIN
+
+
+def lora_factor_split(kind: str, factor: str) -> Optional[Split]:
+    """How LoRA's ``factor`` ("matrix_A", r x in; "matrix_B", out x r) of a layer whose base is of
+    parallel ``kind`` is split across model-parallel ranks; None when every rank holds it whole.
+
+    A follows the base's input: split by columns under a row-parallel base. B follows the base's
+    output: split by rows under a column-parallel base."""
+    if factor == "matrix_A":
+        return Split(1) if kind == ROW else None
+    if factor == "matrix_B":
+        return Split(0) if kind == COLUMN else None
+    raise ValueError(f"LoRA factor must be 'matrix_A' or 'matrix_B', not {factor!r}")
+
+
 @register_split_rule
 def _lora_rule(model, key, name):
-    """LoRA ``matrix_A.i``/``matrix_B.i``: the layouts of :mod:`sat_patches.patches.lora` (its
-    ``split_lora_state_dict`` splits checkpoints the same way)."""
-    if ".matrix_A." not in key and ".matrix_B." not in key:
+    """LoRA ``matrix_A.i``/``matrix_B.i``: :func:`lora_factor_split` of their layer's base."""
+    path, found, rest = key.rpartition(".matrix_")
+    if not found or rest[:2] not in ("A.", "B."):
         return None
-    lora = sys.modules.get("sat_patches.patches.lora")
-    if lora is None:
-        return None
-    layer = model.get_submodule(key.rsplit(".matrix_", 1)[0])
-    kind = getattr(layer, "kind", None) or lora.parallel_kind(layer.original)
-    if ".matrix_A." in key:
-        return Split(1) if kind == lora.ROW else "replicated"
-    return Split(0) if kind == lora.COLUMN else "replicated"
+    layer = model.get_submodule(path)
+    kind = getattr(layer, "kind", None) or parallel_kind(layer.original)
+    return lora_factor_split(kind, "matrix_" + rest[:1]) or "replicated"
 
 
 def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> List[Tuple[int, int, int, int]]:

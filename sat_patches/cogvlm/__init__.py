@@ -1,4 +1,4 @@
-"""CogVLM and CogAgent for SAT 0.4.12, plus tiny local stand-ins for their data and tokenizer.
+"""CogVLM and CogAgent for SwissArmyTransformer 0.4.12, plus tiny local stand-ins for their data and tokenizer.
 
 Our own implementation of the architectures in THUDM/CogVLM (``utils/models/*``) with upstream's
 parameter names and ``model_config.json`` fields, so released SAT checkpoints (``cogvlm-base-490``,

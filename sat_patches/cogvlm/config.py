@@ -12,9 +12,8 @@ import argparse
 import copy
 import json
 import os
+import shutil
 from typing import Optional
-
-import torch
 
 EVA_E_ARGS = {  # EVA2-CLIP-E as released with CogVLM/CogAgent (eva_args of model_config.json)
     "model_class": "EVA2CLIPModel", "num_layers": 63, "hidden_size": 1792, "num_attention_heads": 16,
@@ -153,16 +152,32 @@ def read_model_config(directory_or_file: str) -> dict:
 
 def save_pretrained_dir(model, args, directory: str, iteration: int = 1) -> str:
     """Write ``model`` in SAT's checkpoint layout so ``Model.from_pretrained(directory, args)`` /
-    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and this model-parallel
-    rank's ``<iteration>/mp_rank_XX_model_states.pt``."""
+    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and every model-parallel
+    rank's ``<iteration>/mp_rank_XX_model_states.pt`` (every rank calls this).
+
+    The ranks write into a temporary sibling directory that global rank 0 then renames to
+    ``directory`` (:mod:`sat_patches.checkpoints.writer`): ``directory`` is replaced as a whole, and
+    only by a complete checkpoint."""
+    import torch.distributed as dist
     from sat import mpu
-    write_model_config(args, directory)
+    from ..checkpoints import writer
+    from ..core.coordination import barrier
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    staged = writer.staging_dir_for(directory, shared=True)
+    if first:
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that crashed
+        os.makedirs(staged)
+    barrier(f"staging '{directory}'")
     module = model.module if hasattr(model, "module") else model
     state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    folder = os.path.join(directory, str(iteration))
-    os.makedirs(folder, exist_ok=True)
-    torch.save({"module": state, "iteration": iteration},
-               os.path.join(folder, f"mp_rank_{mpu.get_model_parallel_rank():02d}_model_states.pt"))
-    with open(os.path.join(directory, "latest"), "w") as f:
-        f.write(str(iteration))
+    mp_rank = mpu.get_model_parallel_rank() if mpu.model_parallel_is_initialized() else 0
+    writer.write_layout(staged, iteration, {mp_rank: {"module": state, "iteration": iteration}},
+                        config=model_config_dict(args) if mp_rank == 0 else None, latest=mp_rank == 0)
+    barrier(f"saved a shard of '{directory}'")
+    if first:
+        try:
+            writer.publish_checkpoint_dir(staged, directory)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+    barrier(f"saved '{directory}'")
     return directory

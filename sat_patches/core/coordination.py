@@ -1,10 +1,14 @@
-"""Ranks coordinating while they load: stages, barriers with a timeout, node ranks, a shared start time.
+"""Ranks coordinating: the process group's store, stages, barriers with a timeout, node ranks, and
+what a failed collective's error says happened.
 
+* :func:`group_store` is the default process group's key-value store, through which ranks exchange
+  small values without tensors (whatever backends the group has).
 * Ranks meet behind a barrier with a timeout (``SAT_PATCHES_LOAD_TIMEOUT`` seconds, default 1800)
   whose message names the stage each late rank is at.
 * ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node (SAT's node groups are
-  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box); :class:`_SharedStart` hands every rank rank 0's
-  start time, from which SAT's ``experiment_name`` is made.
+  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box).
+* :func:`error_kinds` reads a torch.distributed error (gloo, NCCL, c10d store) as a timeout, a lost
+  peer or a missing backend, for the patches that react to each.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 import socket
 import time
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -33,20 +37,45 @@ def load_timeout() -> float:
 _barriers = 0
 
 
-def _store():
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
+def group_store(single_rank_too: bool = False):
+    """The default process group's store, or None: no process group (not initialised, or destroyed)
+    and, unless ``single_rank_too``, a group of one rank (no other rank to exchange anything with)."""
     try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not single_rank_too and dist.get_world_size() == 1:
+            return None
         return dist.distributed_c10d._get_default_store()
-    except Exception:
+    except Exception:  # noqa: BLE001  (the default group went away meanwhile)
         return None
+
+
+TIMED_OUT, PEER_LOST, NO_BACKEND = "timed out", "peer lost", "no backend"
+_ERROR_TEXTS = {  # lower-case pieces of the messages of gloo, NCCL and torch.distributed
+    TIMED_OUT: ("timed out", "timeout", "watchdog caught collective"),
+    PEER_LOST: ("connection closed", "connection reset", "broken pipe", "by peer", "nccl error", "ncclremoteerror",
+                "ncclsystemerror"),
+    NO_BACKEND: ("no backend type associated with device type",),
+}
+
+
+def error_kinds(exc: BaseException) -> FrozenSet[str]:
+    """What a failed collective or store call says happened: any of :data:`TIMED_OUT` (gloo's "Timed
+    out", NCCL's watchdog), :data:`PEER_LOST` (a closed or reset socket, an NCCL error, any c10d
+    ``DistError``: what a dead peer causes) and :data:`NO_BACKEND` (the group has no backend for a
+    tensor's device). Empty for an error of this rank's own."""
+    text = str(exc).lower()
+    kinds = {kind for kind, texts in _ERROR_TEXTS.items() if any(t in text for t in texts)}
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        kinds.add(PEER_LOST)
+    return frozenset(kinds)
 
 
 @contextlib.contextmanager
 def stage(name: str):
     """Announce what this rank is doing (``with stage("reading ...")``) so that a rank waiting at a
     :func:`barrier` can say where the late ones are."""
-    store = _store()
+    store = group_store()
     if store is not None:
         store.set(f"sat_patches/stage/{dist.get_rank()}", f"{time.time()}|{name}")
     yield
@@ -56,7 +85,7 @@ def barrier(name: str, timeout: Optional[float] = None) -> None:
     """Wait until every rank reached this point, at most ``timeout`` seconds (default
     ``SAT_PATCHES_LOAD_TIMEOUT``); then raise :class:`LoadTimeout` naming each late rank's stage."""
     global _barriers
-    store = _store()
+    store = group_store()
     if store is None:
         return
     timeout = load_timeout() if timeout is None else timeout
@@ -97,7 +126,7 @@ def _stage_of(store, rank: int) -> str:
 def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
     """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
     so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
-    store = _store()
+    store = group_store()
     if store is None:
         return [value]
     key = f"sat_patches/{name}/"
@@ -143,17 +172,3 @@ def check_local_world_size() -> Optional[int]:
         os.environ["LOCAL_WORLD_SIZE"] = str(real)
     return real
 
-
-class _SharedStart:
-    """Stands in for ``datetime`` in SAT's training module until its first ``now()`` (the
-    ``experiment_name`` timestamp), which returns rank 0's time; then puts ``datetime`` back."""
-
-    def __init__(self, module, real, shared):
-        self._module, self._real, self._shared = module, real, shared
-
-    def now(self, tz=None):
-        self._module.datetime = self._real
-        return self._shared
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)

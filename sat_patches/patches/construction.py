@@ -1,5 +1,6 @@
 """One construction context: SAT models, layers and mixins are built on the compute device, in the
-run's dtype (issue 3 item 4; host memory of CogVLM 283/320).
+run's dtype, so a rank never holds a full fp32 CPU copy of the model (the host memory of
+THUDM/CogVLM#283 and THUDM/CogVLM#320).
 
 SAT builds on CPU in fp32 wherever a ``device``/``params_dtype`` is not passed down: ``BaseModel``
 passes ``device=torch.device('cpu')`` to ``BaseTransformer`` unless ``--use-gpu-initialization``;
@@ -214,14 +215,14 @@ def _expect_type_call(original) -> Optional[str]:
 
 PATCHES = [
     Patch("build_models_on_device", "sat.model.registry:MetaModel.__call__", _construct_model,
-          answers="CogVLM 283/320: BaseModel builds on CPU in fp32 (device=torch.device('cpu'), mixins "
+          answers="THUDM/CogVLM#283, #320: BaseModel builds on CPU in fp32 (device=torch.device('cpu'), mixins "
                   "without params_dtype) before get_model casts and moves: a full fp32 CPU copy per rank",
           expect=_expect_type_call),
     Patch("add_mixin_on_device", "sat.model.base_model:BaseModel.add_mixin", _add_mixin,
-          answers="CogVLM 283/320: mixins built with device=torch.device('cpu'), fp32 (vision-expert "
+          answers="THUDM/CogVLM#283, #320: mixins built with device=torch.device('cpu'), fp32 (vision-expert "
                   "mixins, LoRA) stay on CPU in fp32",
           expect=expect_params("name", "new_mixin", "reinit")),
     Patch("reinit_on_device", "sat.model.base_model:BaseModel.reinit", _reinit,
-          answers="CogVLM 283/320: layers a mixin's reinit builds (LoRA via load_checkpoint) land on CPU",
+          answers="THUDM/CogVLM#283, #320: layers a mixin's reinit builds (LoRA via load_checkpoint) land on CPU",
           expect=expect_params("mixin_names")),
 ]

@@ -150,7 +150,7 @@ def _save_ds_checkpoint(original):
 
 PATCHES = [
     Patch("timers_cuda_sync", "sat.training.utils:Timers.Timer.start", _timer_method,
-          answers="CPU runs: Timer.start calls torch.cuda.synchronize (field notes, sat/training/utils.py)",
+          answers="CPU runs: Timer.start calls torch.cuda.synchronize (sat/training/utils.py)",
           expect=expect_names("cuda", "synchronize")),
     Patch("timers_cuda_sync_stop", "sat.training.utils:Timers.Timer.stop", _timer_method,
           answers="CPU runs: Timer.stop calls torch.cuda.synchronize (sat/training/utils.py)",

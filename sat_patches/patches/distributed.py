@@ -2,7 +2,7 @@
 
 SAT creates an NCCL-only process group (``--distributed-backend nccl``) and then runs collectives
 on CPU tensors (parameter sync, model-parallel split): ``RuntimeError: No backend type associated
-with device type cpu`` (CogVLM 328, SAT 173). The policy here gives CPU tensors gloo.
+with device type cpu`` (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). The policy here gives CPU tensors gloo.
 """
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import warnings
 import torch.distributed as dist
 
 from . import devices
+from ..core.coordination import NO_BACKEND, error_kinds
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
-
-NO_BACKEND = "No backend type associated with device type"
 
 
 def process_group_backend(requested: str = "nccl") -> str:
@@ -40,7 +39,8 @@ def process_group_backend(requested: str = "nccl") -> str:
 
 
 def _initialize_distributed(original):
-    """sat/arguments.py initialize_distributed: the group is created NCCL-only (CogVLM 328, SAT 173)."""
+    """sat/arguments.py initialize_distributed: the group is created NCCL-only (THUDM/CogVLM#328,
+    THUDM/SwissArmyTransformer#173)."""
     @functools.wraps(original)
     def initialize_distributed(args):
         if not dist.is_initialized():
@@ -88,7 +88,7 @@ def explained_collectives(where: str, named_tensors):
     try:
         yield
     except RuntimeError as exc:
-        if NO_BACKEND not in str(exc):
+        if NO_BACKEND not in error_kinds(exc):
             raise
         backend = str(dist.get_backend()) if dist.is_initialized() else "?"
         served = _devices_served(backend)
@@ -142,15 +142,16 @@ def _setup_with_explained_sync(original):
 
 PATCHES = [
     Patch("process_group_backend", "sat.arguments:initialize_distributed", _initialize_distributed,
-          answers="CogVLM 328, SAT 173: No backend type associated with device type cpu",
+          answers="THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173: No backend type associated with device type cpu",
           expect=expect_names("init_process_group", "distributed_backend")),
     Patch("explain_sync_collective",
           "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
           _setup_with_explained_sync,
-          answers="CogVLM 328: the NCCL error does not say which tensor or SAT call; name both",
+          answers="THUDM/CogVLM#328: the NCCL error does not say which tensor or SAT call; name both",
           expect=expect_names("broadcast")),
     Patch("training_main_device", "sat.training.deepspeed_training:training_main", _training_main,
-          answers="QLoRA demo sets args.device='cpu'; training_main (SAT 5385db0) then moves the model to CPU",
+          answers="QLoRA demo sets args.device='cpu'; training_main (THUDM/SwissArmyTransformer@5385db0) then "
+                  "moves the model to CPU",
           expect=expect_names("device")),
     Patch("get_args_cpu_device", "sat.arguments:get_args", _get_args,
           answers="get_args: 'LOCAL_RANK (default 0) and args.device inconsistent' without CUDA",

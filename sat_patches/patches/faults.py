@@ -1,4 +1,4 @@
-"""Faults and bad input (issue 7, items 1 and 4).
+"""Faults and bad input: dead ranks named, and LoRA/DeepSpeed arguments that cannot work refused.
 
 Bad input, refused before the model is built with a message that says what to change:
 
@@ -12,7 +12,7 @@ Bad input, refused before the model is built with a message that says what to ch
 * ``deepspeed_config_json``: SAT's ``get_args`` ``json.load``s ``--deepspeed_config`` and a syntax
   error surfaces as a bare ``JSONDecodeError`` naming no file; now it names the file and line.
 
-Dead ranks (item 1): a rank SIGKILLed (host OOM, CogVLM 283/320) leaves the others waiting in a
+Dead ranks: a rank SIGKILLed (host OOM, as in THUDM/CogVLM#283 and THUDM/CogVLM#320) leaves the others waiting in a
 collective for NCCL's/gloo's timeout (30 min by default), or failing with "Connection closed by peer"
 that names nobody. The patch ``rank_heartbeat`` (on ``training_main``) runs a heartbeat thread per
 rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
+from ..core.coordination import PEER_LOST, error_kinds, group_store
 from ..core.registry import Patch, expect_names, expect_params
 from ..core.settings import env_seconds
 
@@ -99,7 +100,7 @@ def check_finetune_args(args) -> None:
 
 def _lora_mixin_init(original):
     """LoraMixin(layer_num, r, ..., layer_range, qlora): stock SAT divides by r and skips unknown layers
-    (issue 7 item 4; QLoRA without bitsandbytes: CogVLM 257/438, SAT's own "Build 4bit layer failed")."""
+    (QLoRA without bitsandbytes: THUDM/CogVLM#257, THUDM/CogVLM#438, SAT's own "Build 4bit layer failed")."""
     @functools.wraps(original)
     def __init__(self, layer_num, r=0, *args, **kwargs):
         layer_range = kwargs.get("layer_range", args[2] if len(args) > 2 else None)
@@ -121,7 +122,7 @@ def _deepspeed_config_path(args_list) -> Optional[str]:
 
 
 def _get_args(original):
-    """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix (issue 7 item 4)."""
+    """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix."""
     @functools.wraps(original)
     def get_args(args_list=None, parser=None):
         try:
@@ -210,12 +211,13 @@ class Heartbeat:
                 pass
             reason = self.dead()
             if reason and not self.stop.is_set():
-                self._fire(reason)
+                self.fire(reason)
 
-    def _fire(self, reason: str) -> None:
+    def fire(self, reason: str) -> None:
+        """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
+        dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
         from . import hangs
-        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=bool(
-            hangs._watchdog and hangs._watchdog.inflight))
+        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=hangs.in_collective())
 
     def wait_for_dead(self) -> Optional[str]:
         """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
@@ -239,29 +241,21 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     timeout = heartbeat_timeout() if timeout is None else timeout
     if _heartbeat is not None or timeout is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return _heartbeat
-    store = dist.distributed_c10d._get_default_store()
-    _heartbeat = Heartbeat(store, dist.get_rank(), dist.get_world_size(), timeout)
+    _heartbeat = Heartbeat(group_store(), dist.get_rank(), dist.get_world_size(), timeout)
     _heartbeat.beat()
     _heartbeat.thread.start()
     return _heartbeat
 
 
-_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "by peer", "nccl error", "ncclremoteerror",
-              "ncclsystemerror")
-
-
 def _lost_peer(exc: BaseException) -> bool:
     """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
     a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
-    import torch.distributed as dist
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return any(text in str(exc).lower() for text in _PEER_GONE)
+    return PEER_LOST in error_kinds(exc)
 
 
 def _training_main(original):
     """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
-    (issue 7 item 1; CogVLM 283/320 kill -9, "training stops with no clear error")."""
+    (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
     @functools.wraps(original)
     def training_main(args, *a, **kw):
         hb = start_heartbeat()
@@ -271,7 +265,7 @@ def _training_main(original):
             if hb is not None and _lost_peer(exc):
                 reason = hb.wait_for_dead()
                 if reason:
-                    hb._fire(reason)
+                    hb.fire(reason)
             raise
         if hb is not None:
             hb.done()
@@ -281,14 +275,16 @@ def _training_main(original):
 
 PATCHES = [
     Patch("lora_args_check", "sat.model.finetune.lora2:LoraMixin.__init__", _lora_mixin_init,
-          answers="issue 7 item 4 (seed advice --lora_rank 8 --layer_range 0-16; CogVLM 257/438 QLoRA): LoRA rank <= 0, "
+          answers="stock SAT divides by a LoRA rank of 0 and skips layers outside the model; THUDM/CogVLM#257, #438 "
+                  "(QLoRA without bitsandbytes): LoRA rank <= 0, "
                   "layer_range outside the model, --use_qlora without bitsandbytes refused before LoRA layers are built",
           expect=expect_params("layer_num", "r", "layer_range", "qlora")),
     Patch("deepspeed_config_json", "sat.arguments:get_args", _get_args,
-          answers="issue 7 item 4: a --deepspeed_config that is not valid JSON names the file and line",
+          answers="stock SAT: a --deepspeed_config that is not valid JSON fails with a bare JSONDecodeError; now "
+                  "the message names the file and line",
           expect=expect_names("json", "load", "deepspeed_config")),
     Patch("rank_heartbeat", "sat.training.deepspeed_training:training_main", _training_main,
-          answers="issue 7 item 1 (CogVLM 283/320 kill -9; 'training stops with no clear error'): survivors of a "
+          answers="THUDM/CogVLM#283, #320 (kill -9; 'training stops with no clear error'): survivors of a "
                   "dead rank exit non-zero within SAT_PATCHES_HEARTBEAT_TIMEOUT naming it",
           expect=expect_names("train")),
 ]

@@ -1,6 +1,6 @@
 """Hang dumps: a collective that does not complete within the collective timeout ends the run on
 every rank with each rank's Python stacks, naming the SAT call it was blocked in, and a non-zero exit
-status -- instead of waiting 30 minutes (gloo) or until someone kills the job (issue 6).
+status -- instead of waiting 30 minutes (gloo) or until someone kills the job, as stock SAT does.
 
 * ``SAT_PATCHES_COLLECTIVE_TIMEOUT`` (seconds) becomes the timeout of every process group SAT's
   ``initialize_distributed`` creates (NCCL's own watchdog then aborts a stuck GPU collective).
@@ -31,6 +31,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from ..core.coordination import TIMED_OUT, error_kinds, group_store
 from ..core.registry import Patch, expect_names
 from ..core.settings import env_seconds
 
@@ -41,7 +42,6 @@ GRACE = 30.0                    # the faulthandler backstop fires this long afte
 MAX_BACKSTOP = 7 * 24 * 3600.0
 COLLECTIVES = ("barrier", "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast_object_list", "gather", "send", "recv")
-_TIMEOUT_TEXT = ("timed out", "timeout", "watchdog caught collective")
 
 
 def collective_timeout() -> Optional[float]:
@@ -95,7 +95,7 @@ class Watchdog:
     def _posted(self) -> Optional[str]:
         """What another rank posted in the store; after repeated store failures (the rank hosting
         the store is gone), a message saying so."""
-        store = _store()
+        store = group_store(single_rank_too=True)
         if store is None:
             return None
         try:
@@ -135,11 +135,14 @@ def start_watchdog(timeout: Optional[float] = None) -> Watchdog:
     return _watchdog
 
 
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-    except Exception:  # noqa: BLE001  (no default group any more)
-        return None
+def current_watchdog() -> Optional[Watchdog]:
+    """This rank's watchdog, None before :func:`start_watchdog`."""
+    return _watchdog
+
+
+def in_collective() -> bool:
+    """True while a thread of this rank is inside a timed collective."""
+    return bool(_watchdog is not None and _watchdog.inflight)
 
 
 def blocked_call(thread_id: Optional[int], in_collective: bool = True) -> str:
@@ -195,7 +198,7 @@ def fire(reason: str, thread_id: Optional[int], leader: bool, in_collective: boo
 
 
 def _post(message: str) -> bool:
-    store = _store()
+    store = group_store(single_rank_too=True)
     try:
         if store is not None and not store.check([STORE_KEY]):
             store.set(STORE_KEY, message)
@@ -203,11 +206,6 @@ def _post(message: str) -> bool:
     except Exception:  # noqa: BLE001  (store gone)
         pass
     return False
-
-
-def _looks_like_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(t in text for t in _TIMEOUT_TEXT)
 
 
 # --------------------------------------------------------------------------------------
@@ -226,7 +224,7 @@ def _timed_collective(original):
         try:
             return original(*args, **kwargs)
         except Exception as exc:
-            if outermost and _looks_like_timeout(exc):
+            if outermost and TIMED_OUT in error_kinds(exc):
                 # the process group's own timeout (same length) can beat the watchdog: same report
                 fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "
                      f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True)
@@ -253,7 +251,8 @@ PATCHES = [
           expect=expect_names("init_process_group")),
 ] + [
     Patch(f"hang_watch_{name}", f"torch.distributed:{name}", _timed_collective,
-          answers=f"issue 6 hang dumps: a blocked {name} names the SAT call and ends the run on every rank",
+          answers=f"stock SAT waits silently in a blocked {name} (30 min with gloo): now it names the SAT call "
+                  f"and ends the run on every rank",
           verified_on="torch 2.13")
     for name in COLLECTIVES
 ]

@@ -158,7 +158,7 @@ def _train_step(original):
 
 
 def _answers(what):
-    return f"issue 6 memory ledger: {what}"
+    return f"memory ledger (stock SAT reports no per-rank memory): {what}"
 
 
 def _add_mixin(original):
@@ -174,7 +174,7 @@ def _add_mixin(original):
 
 PATCHES = [
     Patch("ledger_build", "sat.model.registry:MetaModel.__call__", _recording("build"),
-          answers=_answers("host/CUDA memory once a SAT model is built (CogVLM 283: killed while building)")),
+          answers=_answers("host/CUDA memory once a SAT model is built (THUDM/CogVLM#283: killed while building)")),
     Patch("ledger_lora", "sat.model.base_model:BaseModel.add_mixin", _add_mixin,
           answers=_answers("memory once LoRA layers are injected (stock lora2 copies every base layer)"),
           expect=expect_params("name", "new_mixin", "reinit")),
@@ -182,16 +182,17 @@ PATCHES = [
           answers=_answers("baseline after imports and process-group set-up"),
           expect=expect_names("init_process_group")),
     Patch("ledger_load", "sat.training.model_io:load_checkpoint", _recording("load"),
-          answers=_answers("memory after a checkpoint load (CogVLM 320: RAM twice the model)"),
+          answers=_answers("memory after a checkpoint load (THUDM/CogVLM#320: RAM twice the model)"),
           expect=expect_params("model", "args")),
     Patch("ledger_from_pretrained", "sat.model.base_model:BaseModel.from_pretrained", _recording("load"),
           answers=_answers("memory after from_pretrained (build + load + MP split)"),
           expect=expect_params("name", "args")),
     Patch("ledger_split_rank0", "sat.mpu.operation:mp_split_model_rank0", _recording("split"),
-          answers=_answers("node rank 0 holding the full model while it sends partitions (SAT 173)"),
+          answers=_answers("node rank 0 holding the full model while it sends partitions "
+                           "(THUDM/SwissArmyTransformer#173)"),
           expect=expect_names("broadcast")),
     Patch("ledger_split_receive", "sat.mpu.operation:mp_split_model_receive", _recording("split"),
-          answers=_answers("ranks receiving their partition (SAT 173)"),
+          answers=_answers("ranks receiving their partition (THUDM/SwissArmyTransformer#173)"),
           expect=expect_names("broadcast")),
     Patch("ledger_deepspeed_init", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
           _recording("deepspeed_init"),

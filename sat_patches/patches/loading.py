@@ -1,13 +1,14 @@
-"""Checkpoints load with little host memory, rank-locally, at any model-parallel size (issue 5).
+"""Checkpoints load with little host memory, rank-locally, at any model-parallel size.
 
-What SAT 0.4.12 does (field notes, "Host memory"): ``load_checkpoint`` ``torch.load``s the whole file
-into RAM on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the
-node's rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` +
-``send`` every partition (SAT 173, CogVLM 283/320/162); it mutates the caller's ``args`` and
-``overwrite_args``; from an MP=N checkpoint to MP=N it raises "model_parallel_size is inconsistent"
-(CogVLM 233).
+What SwissArmyTransformer 0.4.12 does: ``load_checkpoint`` ``torch.load``s the whole file into RAM
+on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the node's
+rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` + ``send``
+every partition (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#283, #320, #162); it mutates the
+caller's ``args`` and ``overwrite_args``; from an MP=N checkpoint to MP=N it raises
+"model_parallel_size is inconsistent" (THUDM/CogVLM#233).
 
-Here (this module: loading a state into a model, SAT's entry points and the patches):
+Here (this module: SAT's entry points and the patches; :mod:`sat_patches.checkpoints.state` loads a
+checkpoint's state into a model):
 
 * :mod:`sat_patches.checkpoints.files` checks the checkpoint directory and ``model_config.json``
   before the model is built; :mod:`sat_patches.checkpoints.sharding` reads each rank's own slices, in chunks,
@@ -17,174 +18,30 @@ Here (this module: loading a state into a model, SAT's entry points and the patc
   the compute device instead (initialised, as SAT does) and loads into it.
 * Ranks meet behind :mod:`sat_patches.core.coordination`'s barriers, which have a timeout;
   ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node and ``experiment_name``
-  is decided on rank 0 (CogVLM 269: per-rank timestamps split one run's checkpoints across directories).
+  is decided on rank 0 (THUDM/CogVLM#269: per-rank timestamps split one run's checkpoints across
+  directories).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import datetime
 import functools
 import os
 import sys
 import warnings
-from collections.abc import Mapping
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from . import construction, devices
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
-from ..core.coordination import _SharedStart, _store, barrier, check_local_world_size, stage, store_gather
-from ..checkpoints.sharding import ShardedSource, release_pages, split_of
-
-
-# --------------------------------------------------------------------------------------
-# Loading a state into a model
-# --------------------------------------------------------------------------------------
-
-def materialise_device() -> torch.device:
-    """Where tensors built on meta are materialised: the compute device (CPU while it is meta)."""
-    return devices.communication_device()
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Modules with their own load logic (SAT/our LoRA layers, Hack* layers, pre-hooks)."""
-    return (type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
-            or bool(module._load_state_dict_pre_hooks))
-
-
-def _tensors(module: torch.nn.Module):
-    """(name, tensor, is_parameter, persistent) of a module's own parameters and buffers."""
-    for name, p in module._parameters.items():
-        if p is not None:
-            yield name, p, True, True
-    for name, b in module._buffers.items():
-        if b is not None:
-            yield name, b, False, name not in module._non_persistent_buffers_set
-
-
-class _LazyState(Mapping):
-    """What a module with its own ``_load_from_state_dict`` sees: this rank's slices, read on use."""
-
-    def __init__(self, source: ShardedSource, resolve):
-        self.source, self.resolve, self.views = source, resolve, []
-
-    def __contains__(self, key):
-        return key in self.source
-
-    def __iter__(self):
-        return iter(self.source.keys())
-
-    def __len__(self):
-        return len(self.source.keys())
-
-    def __getitem__(self, key):
-        like, split = self.resolve(key)
-        if like is None:
-            tensor = self.source.state[0][key]
-        else:
-            tensor = self.source.assembled(key, like, split)
-        self.source.used.add(key)
-        if tensor.untyped_storage().data_ptr() in self.source.mapped_storages:
-            self.views.append(tensor)  # a view of the mapped file: its pages are released after use
-        return tensor
-
-    def release(self):
-        for t in self.views:
-            release_pages(t)
-        self.views.clear()
-
-
-def _resolve(model: torch.nn.Module, key: str):
-    """(model tensor, split) for a state-dict key; SAT LoRA's plain ``x.weight`` is ``x.original.weight``."""
-    path, _, name = key.rpartition(".")
-    try:
-        owner = model.get_submodule(path)
-    except AttributeError:
-        return None, None
-    tensor = getattr(owner, name, None)
-    if not isinstance(tensor, torch.Tensor) and isinstance(getattr(owner, "original", None), torch.nn.Module):
-        owner, key = owner.original, f"{path}.original.{name}"
-        tensor = getattr(owner, name, None)
-    if not isinstance(tensor, torch.Tensor):
-        return None, None
-    return tensor, split_of(model, key, owner, name)
-
-
-def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str], List[str]]:
-    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
-    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). Returns
-    (missing_keys, unexpected_keys)."""
-    missing, unexpected, errors = [], [], []
-    assigned: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
-    target = materialise_device()
-    hooked_prefixes = []
-
-    def fill(module, prefix):
-        for name, t, is_param, persistent in _tensors(module):
-            key = prefix + name
-            if not persistent:
-                continue
-            if key not in source:
-                missing.append(key)
-                continue
-            if id(t) in assigned and assigned[id(t)][0] is t:  # shared (tied) tensor, already loaded
-                new = assigned[id(t)][1]
-                source.used.add(key)
-            elif t.is_meta:
-                new = torch.empty(t.shape, dtype=t.dtype, device=target)
-                source.copy_into(key, new, split_of(model, key, module, name))
-                if is_param:
-                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-                    new.__dict__.update(t.__dict__)
-                assigned[id(t)] = (t, new)  # holding t keeps its id from being reused
-            else:
-                source.copy_into(key, t, split_of(model, key, module, name))
-                continue
-            (module._parameters if is_param else module._buffers)[name] = new
-
-    def load(module, prefix):
-        if _hooked(module):
-            hooked_prefixes.append(prefix)
-            view = _LazyState(source, lambda key: _resolve(model, key))
-            module._load_from_state_dict(view, prefix, {}, True, missing, unexpected, errors)
-            view.release()
-        else:
-            fill(module, prefix)
-        for child_name, child in module._modules.items():
-            if child is not None:
-                load(child, prefix + child_name + ".")
-        incompatible = torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-        for hook in module._load_state_dict_post_hooks.values():
-            hook(module, incompatible)
-
-    load(model, "")
-    if errors:
-        raise CheckpointError("loading '{}' failed:\n\t{}".format(source.ckpt.path, "\n\t".join(errors)))
-    unexpected += [k for k in source.keys() if k not in source.used and k not in unexpected
-                   and not any(k.startswith(p) for p in hooked_prefixes if p)]
-    return missing, unexpected
-
-
-def meta_tensors(model: torch.nn.Module) -> List[str]:
-    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-
-
-def _model_parallel() -> Tuple[int, int]:
-    from sat import mpu
-    if dist.is_initialized() and mpu.model_parallel_is_initialized():
-        return mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
-    return 0, 1
-
-
-def open_source(ckpt: Checkpoint, prefix: str = "") -> ShardedSource:
-    """Map ``ckpt``'s shards for this rank's model-parallel rank and size."""
-    rank, size = _model_parallel()
-    with stage(f"opening {ckpt.mp_size} shard(s) of '{ckpt.path}' iteration {ckpt.iteration}"):
-        return ShardedSource(ckpt, prefix, rank, size)
+from ..checkpoints.sharding import ShardedSource
+from ..checkpoints.state import (fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
+                                 restore_rng)
+from ..core.coordination import barrier, check_local_world_size, group_store, stage, store_gather
 
 
 # --------------------------------------------------------------------------------------
@@ -231,7 +88,7 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     if mode == "finetune":
         iteration = 0
     elif mode == "pretrain" and not getattr(args, "no_load_rng", False):
-        _restore_rng(source.own)
+        restore_rng(source.own)
     elif mode == "inference":
         module.eval()
     del source
@@ -262,22 +119,6 @@ def _handle_missing(module, args, mode, missing):
         module.reinit(names)
 
 
-def _restore_rng(saved: dict) -> None:
-    import random
-    import numpy as np
-    states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
-              ("torch_rng_state", torch.set_rng_state)]
-    if torch.cuda.is_available():
-        states.append(("cuda_rng_state", torch.cuda.set_rng_state))
-    absent = [name for name, _ in states if name not in saved]
-    for name, setter in states:
-        if name in saved:
-            setter(saved[name])
-    if absent:
-        warnings.warn(f"checkpoint has no {', '.join(absent)} (saved with --no-save-rng?): those random "
-                      f"states start fresh; pass --no-load-rng to silence this", SatPatchesWarning)
-
-
 def _build(args, model_cls, kwargs, on_meta: bool):
     """Build like SAT's ``get_model``; on meta without initialising or moving anything."""
     from sat.model.base_model import get_model
@@ -294,16 +135,6 @@ def _build(args, model_cls, kwargs, on_meta: bool):
     elif getattr(args, "bf16", False):
         model.bfloat16()
     return model
-
-
-def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
-    """Can ``model`` (built on meta) be materialised from a checkpoint with these keys alone?"""
-    for prefix, module in model.named_modules():
-        prefix = prefix + "." if prefix else ""
-        for name, t, _, persistent in _tensors(module):
-            if t.is_meta and (_hooked(module) or not persistent or prefix + name not in keys):
-                return False
-    return True
 
 
 def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs):
@@ -413,6 +244,46 @@ def _initialize_model_parallel(original):
     return initialize_model_parallel
 
 
+class SharedStartClock:
+    """Stands in for the ``datetime`` class in SAT's training module (``from datetime import datetime``).
+
+    Everything is the real class's, except that after :meth:`share` the next ``now()`` returns the
+    shared time (rank 0's start, which SAT's ``training_main`` turns into ``experiment_name``); later
+    calls return the real time again."""
+
+    def __init__(self, real):
+        self.real = real
+        self._shared = None
+
+    def share(self, start) -> None:
+        """The next ``now()`` returns ``start`` (None: the real time)."""
+        self._shared = start
+
+    def now(self, tz=None):
+        shared, self._shared = self._shared, None
+        return self.real.now(tz) if shared is None else shared
+
+    def __call__(self, *args, **kwargs):
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __instancecheck__(self, obj):
+        return isinstance(obj, self.real)
+
+    def __subclasscheck__(self, cls):
+        return issubclass(cls, self.real)
+
+
+def _shared_start_clock(original):
+    return SharedStartClock(original)
+
+
+def _expect_datetime_class(original):
+    return None if original is datetime.datetime else f"it is {original!r}, not the datetime class"
+
+
 _runs = 0
 
 
@@ -423,17 +294,18 @@ def _training_main(original):
     def training_main(args, *a, **kw):
         timestamped = not (args.load and args.mode == "pretrain")
         global _runs
-        clock = module.datetime
-        if timestamped and _store() is not None:
+        clock = getattr(module, "datetime", None)
+        shared = isinstance(clock, SharedStartClock) and timestamped and group_store() is not None
+        if shared:
             _runs += 1
-            start = clock.now().isoformat() if dist.get_rank() == 0 else ""
-            start = store_gather(f"start/{_runs}", start)[0]
-            module.datetime = _SharedStart(module, clock, clock.fromisoformat(start))
+            start = clock.real.now().isoformat() if dist.get_rank() == 0 else ""
+            clock.share(clock.real.fromisoformat(store_gather(f"start/{_runs}", start)[0]))
         try:
             with all_ranks_loading():
                 return original(args, *a, **kw)
         finally:
-            module.datetime = clock
+            if shared:
+                clock.share(None)
     return training_main
 
 
@@ -444,23 +316,29 @@ def _expect_from_pretrained(original):
 
 PATCHES = [
     Patch("load_checkpoint_mmap", "sat.training.model_io:load_checkpoint", _load_checkpoint,
-          answers="CogVLM 283/320/162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
+          answers="THUDM/CogVLM#283, #320, #162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
                   "MP=N checkpoints load only at MP=N",
           expect=expect_names("get_checkpoint_name", "load_state_dict", "reinit")),
     Patch("from_pretrained_rank_local", "sat.model.base_model:BaseModel.from_pretrained", _from_pretrained(False),
-          answers="SAT 173 / CogVLM 162, 233: MP>1 from_pretrained builds the full model on node rank 0 and "
-                  "sends partitions (.cuda()); MP=N to MP=N raises 'model_parallel_size is inconsistent'; "
-                  "mutates the caller's args",
+          answers="THUDM/SwissArmyTransformer#173, THUDM/CogVLM#162, #233: MP>1 from_pretrained builds the full "
+                  "model on node rank 0 and sends partitions (.cuda()); MP=N to MP=N raises "
+                  "'model_parallel_size is inconsistent'; mutates the caller's args",
           expect=_expect_from_pretrained),
     Patch("automodel_from_pretrained_rank_local", "sat.model.base_model:AutoModel.from_pretrained",
           _from_pretrained(True),
-          answers="SAT 173 / CogVLM 233: AutoModel.from_pretrained, same model-parallel path as BaseModel's",
+          answers="THUDM/SwissArmyTransformer#173, THUDM/CogVLM#233: AutoModel.from_pretrained, same "
+                  "model-parallel path as BaseModel's",
           expect=_expect_from_pretrained),
     Patch("local_world_size_check", "sat.mpu.initialize:initialize_model_parallel", _initialize_model_parallel,
-          answers="SAT 173 / CogVLM finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env on a 2-GPU box "
-                  "leaves SAT's node groups empty ('node group is not initialized')",
+          answers="THUDM/SwissArmyTransformer#173, CogVLM's finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env "
+                  "on a 2-GPU box leaves SAT's node groups empty ('node group is not initialized')",
           expect=expect_names("environ", "_NODE_GROUP", "new_group")),
+    Patch("shared_experiment_start", "sat.training.deepspeed_training:datetime", _shared_start_clock,
+          answers="THUDM/CogVLM#269: SAT's training module reads the clock of each rank for experiment_name; "
+                  "it gets a clock whose first now() in training_main is rank 0's start time",
+          expect=_expect_datetime_class),
     Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main", _training_main,
-          answers="CogVLM 269: experiment_name timestamps differ per rank, one MP run saves into two directories",
+          answers="THUDM/CogVLM#269: experiment_name timestamps differ per rank, one MP run saves into two "
+                  "directories; rank 0's start time is shared (with shared_experiment_start)",
           expect=expect_names("experiment_name", "datetime", "strftime")),
 ]

@@ -1,4 +1,4 @@
-"""LoRA for SAT 0.4.12 (``sat/model/finetune/lora2.py``): by reference, on the right device,
+"""LoRA for SwissArmyTransformer 0.4.12 (``sat/model/finetune/lora2.py``): by reference, on the right device,
 correct under model parallelism, and QLoRA that runs.
 
 What stock ``lora2`` does, and what replaces it here:
@@ -41,21 +41,11 @@ from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
 from . import devices
+from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
 from ..core.registry import Patch, expect_names, expect_params
 
 CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LORA_CHUNK_MB", "64")) * 2**20)
 """Largest temporary (bytes) of a LoRA merge; ``SAT_PATCHES_LORA_CHUNK_MB`` sets it (default 64)."""
-
-COLUMN, ROW, PLAIN = "column", "row", "plain"
-
-
-def parallel_kind(layer: nn.Module) -> str:
-    if isinstance(layer, ColumnParallelLinear):
-        return COLUMN
-    if isinstance(layer, RowParallelLinear):
-        return ROW
-    return PLAIN
-
 
 def full_shape(layer: nn.Module):
     """(out_features, in_features) of ``layer`` over all model-parallel ranks."""
@@ -130,10 +120,10 @@ class LoraLinear(nn.Module):
         rows = segment_sizes(out_features, partition)
         self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
-        for a in self.matrix_A:
-            _mark_split(a, self.kind == ROW)
-        for b in self.matrix_B:
-            _mark_split(b, self.kind == COLUMN)
+        for factor in ("matrix_A", "matrix_B"):
+            split = lora_factor_split(self.kind, factor) is not None
+            for p in getattr(self, factor):
+                _mark_split(p, split)
         self.reset_lora_parameters()
         self.register_load_state_dict_post_hook(_plain_checkpoint_has_no_lora_keys)
 
@@ -310,7 +300,7 @@ def lora_targets(layer, cross_attention: bool):
 
 
 def _reinit(original):
-    """CogVLM 438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
+    """THUDM/CogVLM#438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
     def reinit(self, parent_model=None):
         from sat.model.finetune import lora2
         transformer = parent_model.transformer
@@ -347,10 +337,10 @@ def lora_layout(model: nn.Module) -> Dict[str, LoraLayout]:
 
 
 def _rule(kind: str, suffix: str) -> str:
-    if suffix.startswith("matrix_A."):
-        return "cols" if kind == ROW else "copy"
-    if suffix.startswith("matrix_B."):
-        return "rows" if kind == COLUMN else "copy"
+    factor = suffix.partition(".")[0]
+    if factor in ("matrix_A", "matrix_B"):
+        split = lora_factor_split(kind, factor)
+        return "copy" if split is None else ("rows", "cols")[split.dim]
     if suffix == "original.weight":
         return {COLUMN: "segments", ROW: "cols"}.get(kind, "copy")
     if suffix == "original.bias":
@@ -434,37 +424,39 @@ def _expect_lora_linear(cls):
 
 
 def _lora_linear(original):
-    """CogVLM 283/320 (base-layer copies), 328 (LoRA params on CPU), 438 (QLoRA NameError 'dtype');
-    field notes: RowParallel LoRA never all-reduces x @ A^T."""
+    """THUDM/CogVLM#283, #320 (base-layer copies), #328 (LoRA params on CPU), #438 (QLoRA NameError
+    'dtype'); stock SAT's LoRA on a RowParallelLinear never all-reduces x @ A^T."""
     return LoraLinear
 
 
 def _replace_linear_with_lora(original):
-    """CogVLM 268 (LoRA sized from in_size/out_size); meta bases: LoRA params moved to meta."""
+    """THUDM/CogVLM#268 (LoRA sized from in_size/out_size); meta bases: LoRA params moved to meta."""
     return replace_linear_with_lora
 
 
 def _merge_linear_lora(original):
-    """CogVLM 117/451 (merging MP LoRA), 257 (QLoRA merge assumes a bias): plain nn.Linear(...).cuda()."""
+    """THUDM/CogVLM#117, #451 (merging MP LoRA), #257 (QLoRA merge assumes a bias): stock SAT returns a plain
+    nn.Linear(...).cuda()."""
     return merge_linear_lora
 
 
 PATCHES = [
     Patch("lora_linear", "sat.model.finetune.lora2:LoraLinear", _lora_linear,
           answers="LoRA by reference on the base weight's device/dtype; RowParallel LoRA all-reduces "
-                  "x@A^T (field notes: ranks disagree by ~0.47); QLoRA NameError 'dtype' (CogVLM 438); "
-                  "CPU LoRA params under NCCL (CogVLM 328); host-memory copies (CogVLM 283/320)",
+                  "x@A^T (stock SAT does not: model-parallel ranks disagree once B != 0); QLoRA NameError 'dtype' "
+                  "(THUDM/CogVLM#438); CPU LoRA params under NCCL (THUDM/CogVLM#328); host-memory copies "
+                  "(THUDM/CogVLM#283, #320)",
           expect=_expect_lora_linear),
     Patch("lora_replace", "sat.model.finetune.lora2:replace_linear_with_lora", _replace_linear_with_lora,
           answers="replace_linear_with_lora moves new LoRA params to the base's device (meta stays meta) "
-                  "and sizes layers from in_size/out_size (CogVLM 268)",
+                  "and sizes layers from in_size/out_size (THUDM/CogVLM#268)",
           expect=expect_params("lin", "partition", "r")),
     Patch("lora_merge", "sat.model.finetune.lora2:merge_linear_lora", _merge_linear_lora,
           answers="merge_linear_lora returns nn.Linear(...).cuda() (loses model parallelism), assumes a "
-                  "bias for QLoRA (CogVLM 257), dequantises NF4 with dequantize_fp4, full-size temporaries",
+                  "bias for QLoRA (THUDM/CogVLM#257), dequantises NF4 with dequantize_fp4, full-size temporaries",
           expect=expect_names("dequantize_fp4", "cuda")),
     Patch("lora_reinit", "sat.model.finetune.lora2:LoraMixin.reinit", _reinit,
           answers="LoraMixin(qlora=True).reinit leaves the transformer's linears float and unquantised, "
-                  "cloning each (CogVLM 438)",
+                  "cloning each (THUDM/CogVLM#438)",
           expect=expect_names("replace_linear_with_lora", "HackLinearNF4")),
 ]

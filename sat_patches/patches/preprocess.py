@@ -1,4 +1,4 @@
-"""Data preprocessing on rank 0 first (issue 7 item 5).
+"""Data preprocessing on rank 0 first, the other ranks waiting behind a barrier with a timeout.
 
 SAT's ``training_main`` calls ``make_loaders(args, create_dataset_function, collate_fn)`` on every rank
 at the same time, before the model is built. ``make_loaders`` calls the user's
@@ -141,7 +141,7 @@ def _follow(run, stage, group, store, key, timeout):
 
 
 def _make_loaders(original):
-    """SAT's make_loaders, run on rank 0 first (issue 7 item 5)."""
+    """SAT's make_loaders (every rank at once in stock SAT), run on rank 0 first."""
     @functools.wraps(original)
     def make_loaders(*args, **kwargs):
         return rank0_first(functools.partial(original, *args, **kwargs))
@@ -150,7 +150,7 @@ def _make_loaders(original):
 
 PATCHES = [
     Patch("preprocess_rank0_first", "sat.data_utils.configure_data:make_loaders", _make_loaders,
-          answers="issue 7 item 5: make_loaders ran on every rank at once, so ranks done early hit the NCCL watchdog "
+          answers="stock SAT: make_loaders ran on every rank at once, so ranks done early hit the NCCL watchdog "
                   "while one preprocessed and a rank crashing in preprocessing left the others hanging; rank 0 now "
                   "goes first behind a gloo barrier (SAT_PATCHES_PREPROCESS_TIMEOUT) and its failure is reported",
           expect=expect_names("make_dataset_full", "make_data_loader")),

@@ -1,7 +1,7 @@
-"""Exact resume (issue 7 item 3): a run stopped after a checkpoint and continued with
+"""Exact resume: a run stopped after a checkpoint and continued with
 ``--mode pretrain --load <run>`` gives the losses the uninterrupted run would have given.
 
-What SAT 0.4.12 loses on resume (``sat/training``), each answered by one patch here:
+What SwissArmyTransformer 0.4.12 loses on resume (``sat/training``), each answered by one patch here:
 
 * ``resume_optimizer_save`` / ``resume_optimizer_load`` -- the optimizer. ``save_ds_checkpoint_no_optim``
   writes no ZeRO optimizer shards and ``load_checkpoint`` says "only load module": Adam's moments (and
@@ -161,10 +161,10 @@ def restore_rng_states(args) -> None:
     """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
     if getattr(args, "no_load_rng", False):
         return
-    from .loading import _restore_rng
+    from ..checkpoints.state import restore_rng
     states = _model_states(args)
     if states is not None:
-        _restore_rng(states)
+        restore_rng(states)
 
 
 class ResumableBatchSampler(torch.utils.data.BatchSampler):
@@ -288,29 +288,29 @@ def _make_data_loader(original):
 
 PATCHES = [
     Patch("resume_optimizer_save", "sat.training.model_io:save_checkpoint", _save_checkpoint,
-          answers="issue 7 item 3: SAT's save_ds_checkpoint_no_optim writes no ZeRO optimizer shards; every rank "
+          answers="resume (stock SAT): SAT's save_ds_checkpoint_no_optim writes no ZeRO optimizer shards; every rank "
                   "now writes DeepSpeed's *_optim_states.pt",
           expect=expect_names("save_ds_checkpoint")),
     Patch("resume_optimizer_load", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
           _setup_model_and_optimizer,
-          answers="issue 7 item 3: SAT's load_checkpoint loads 'only module'; a resumed run's Adam states start at "
+          answers="resume (stock SAT): SAT's load_checkpoint loads 'only module'; a resumed run's Adam states start at "
                   "zero. Also turns on resume_dataloader when resuming",
           expect=expect_names("initialize")),
     Patch("resume_lr_schedule_state", "sat.training.learning_rates:AnnealingLR.state_dict", _lr_state_dict,
-          answers="issue 7 item 3: AnnealingLR.state_dict omits init_step and the auto warm-up, so a resumed "
+          answers="resume (stock SAT): AnnealingLR.state_dict omits init_step and the auto warm-up, so a resumed "
                   "schedule cannot be rebuilt",
           expect=expect_names("num_iters", "end_iter")),
     Patch("resume_lr_schedule", "sat.training.deepspeed_training:get_learning_rate_scheduler",
           _get_learning_rate_scheduler,
-          answers="issue 7 item 3: a resumed run's learning rate restarts 100 iterations back at 5% of the rate "
+          answers="resume (stock SAT): a resumed run's learning rate restarts 100 iterations back at 5% of the rate "
                   "(auto warm-up) instead of continuing",
           expect=expect_names("AnnealingLR", "warmup", "lr_decay_iters")),
     Patch("resume_rng", "sat.training.deepspeed_training:train", _train,
-          answers="issue 7 item 3: training_main re-seeds with --seed after load_checkpoint restored the random "
+          answers="resume (stock SAT): training_main re-seeds with --seed after load_checkpoint restored the random "
                   "states; dropout replays the first steps' masks",
           expect=expect_names("train_step")),
     Patch("resume_data_position", "sat.data_utils.configure_data:make_data_loader", _make_data_loader,
-          answers="issue 7 item 3: --resume-dataloader's start_iter is read only by DistributedBatchSampler; with "
+          answers="resume (stock SAT): --resume-dataloader's start_iter is read only by DistributedBatchSampler; with "
                   "one data-parallel rank (MP=2 on 2 GPUs) a resumed run re-reads its first batches",
           expect=expect_names("DistributedBatchSampler", "BatchSampler")),
 ]

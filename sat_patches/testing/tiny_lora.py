@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-VOCAB = 1024  # >= 1000: SAT's model-parallel vocab embedding (see field notes)
+VOCAB = 1024  # SAT's BaseTransformer makes a plain nn.Embedding below 1000 words, a model-parallel one from 1000
 DEFAULT_ARGS = [
     "--mode", "finetune", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--vocab-size", str(VOCAB), "--max-sequence-length", "64", "--train-iters", "12",

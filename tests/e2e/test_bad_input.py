@@ -1,4 +1,4 @@
-"""Bad input is refused early, with a message that says what to change (issue 7 item 4).
+"""Bad input is refused early, with a message that says what to change.
 
 One row per case: a function that builds the bad input under ``tmp_path`` and runs the check that
 must refuse it (before any model is built), and the fragment the message must contain. Rows marked

@@ -1,4 +1,4 @@
-"""Atomic checkpoint saves (issue 7 item 2): a tiny LoRA run at MP=2 on 2 CPU ranks saves iteration 2,
+"""Atomic checkpoint saves: a tiny LoRA run at MP=2 on 2 CPU ranks saves iteration 2,
 then rank 1 is SIGKILLed half-way through writing its shard of iteration 4. With the patch, ``latest``
 still names 2 and iteration 2 loads; with stock SAT, ``latest`` names the half-written iteration 4.
 

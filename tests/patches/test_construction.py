@@ -1,7 +1,7 @@
 """One construction context: with the device policy at meta and a bf16 run, every parameter SAT
 builds (base transformer, LLaMA's mixins, CogVLM-like vision-expert mixins that default to
 ``device=torch.device('cpu')``/fp32, a mixin built outside the model, layers a mixin's ``reinit``
-builds) is on meta in bf16 (issue 3 item 4).
+builds) is on meta in bf16.
 
 One process: each scenario runs patched, then with one construction patch restored (it must then
 leave CPU/fp32 parameters behind), then patched again.
@@ -68,6 +68,7 @@ def construction_report(device="meta"):
     from sat import mpu
     import sat_patches
     from sat_patches.patches import devices
+    from sat_patches.testing import patches_removed
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
 
@@ -91,12 +92,8 @@ def construction_report(device="meta"):
     for scenario, build in _scenarios(device).items():
         report[scenario] = {"patched": kinds(build)}
         for name in PATCHES:
-            patch = sat_patches.REGISTRY.get(name)
-            patch.restore()
-            try:
+            with patches_removed(name):  # patches stacked on the same target (ledger's) stay on
                 report[scenario][name] = kinds(build)
-            finally:
-                patch.apply()
         assert all(sat_patches.is_patched(n) for n in PATCHES)
     return report
 

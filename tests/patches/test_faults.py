@@ -1,4 +1,4 @@
-"""A rank SIGKILLed mid-step (issue 7 item 1): 3 CPU ranks of the tiny LoRA SAT run; rank 1 kills itself
+"""A rank SIGKILLed mid-step: 3 CPU ranks of the tiny LoRA SAT run; rank 1 kills itself
 in its 3rd forward step. Every survivor ends non-zero within the bound, and its message names rank 1.
 
 Also runnable as a script (what each rank runs): ``tests/patches/test_faults.py <tiny_lora args>`` with

@@ -65,7 +65,7 @@ def pg_timeout_and_watchdog():
     def seen():
         groups = [torch.distributed.distributed_c10d._get_default_group(), mpu.get_data_parallel_group()]
         return {"groups": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups],
-                "watchdog": None if hangs._watchdog is None else hangs._watchdog.timeout}
+                "watchdog": None if hangs.current_watchdog() is None else hangs.current_watchdog().timeout}
     with patches_removed("collective_timeout"):
         args = sat.get_args(list(ARGS))
         without = seen()
@@ -121,3 +121,15 @@ def test_timeout_setting_is_validated(monkeypatch):
         hangs.collective_timeout()
     monkeypatch.setenv(hangs.ENV, "90")
     assert hangs.collective_timeout() == 90.0
+
+
+def test_one_classifier_reads_timeouts_lost_peers_and_missing_backends():
+    """hangs, faults and distributed all read errors through coordination.error_kinds."""
+    import torch.distributed as dist
+    from sat_patches.core.coordination import NO_BACKEND, PEER_LOST, TIMED_OUT, error_kinds
+    assert error_kinds(RuntimeError("[gloo/transport/tcp/pair.cc:446] Timed out waiting 5000ms for recv")) == {TIMED_OUT}
+    assert error_kinds(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(...)")) >= {TIMED_OUT}
+    assert error_kinds(RuntimeError("Connection reset by peer")) == {PEER_LOST}
+    assert PEER_LOST in error_kinds(dist.DistNetworkError("failed to recv, got 0 bytes"))
+    assert error_kinds(RuntimeError("No backend type associated with device type cpu")) == {NO_BACKEND}
+    assert error_kinds(ValueError("image folder is empty")) == frozenset()

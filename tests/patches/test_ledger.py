@@ -18,7 +18,8 @@ PHASES = ["start", "lora", "build", "deepspeed_init", "first_step"]
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    # (--save would do, but SAT 0.4.12's final save_checkpoint fails on CPU ranks: torch's AdamW has no .optimizer)
+    # (--save would do, but SwissArmyTransformer 0.4.12's final save_checkpoint fails on CPU ranks: torch's
+    # AdamW has no .optimizer)
     run_dir = str(tmp_path_factory.mktemp("run"))
     # fresh processes: a rank forked from the test fork server has not faulted in the shared
     # libraries' pages yet, so its host RSS reads ~100 MiB lower than a real rank's (396 vs 504 MiB at "start" here)

@@ -8,7 +8,8 @@ import torch
 
 from sat_patches.patches import loading
 from sat_patches.patches.loading import Checkpoint, CheckpointError, ShardedSource
-from sat_patches.checkpoints.sharding import Split
+from sat_patches.checkpoints.sharding import Split, release_pages
+from sat_patches.checkpoints.state import load_state, meta_tensors
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
@@ -153,7 +154,7 @@ def test_released_pages_read_back_the_same(tmp_path):
     source = ShardedSource(Checkpoint(str(tmp_path), 1, False, [str(tmp_path / "mp_rank_00_model_states.pt")]))
     mapped = source.state[0]["w"]
     first = mapped.clone()
-    loading.release_pages(mapped)
+    release_pages(mapped)
     assert torch.equal(mapped, first) and torch.equal(first, data)
 
 
@@ -188,12 +189,40 @@ def test_meta_model_materialises_with_ties_shared_modules_and_attributes(tmp_pat
         model = _Shared()
     assert {p.device.type for p in model.parameters()} == {"meta"}
     source = ShardedSource(Checkpoint(str(tmp_path), 1, False, [str(tmp_path / "mp_rank_00_model_states.pt")]))
-    missing, unexpected = loading.load_state(model, source)
+    missing, unexpected = load_state(model, source)
     assert missing == [] and unexpected == []
-    assert loading.meta_tensors(model) == []
+    assert meta_tensors(model) == []
     assert model.head.weight is model.embed.weight and model.embed.weight.model_parallel is False
     assert all(b.rope is model.blocks[0].rope for b in model.blocks)
     for key, want in real.state_dict().items():
         got = model.state_dict()[key]
         assert got.dtype == torch.bfloat16, key  # the run's dtype, converted while copying
         assert torch.equal(got.float(), want.to(got.dtype).float()), key
+
+
+def test_shared_experiment_start_is_a_patch_that_unpatch_restores():
+    """SAT's training module gets rank 0's start time through a registered patch on its ``datetime``:
+    listed by status(), and unpatch() puts SAT's own datetime class back."""
+    import datetime
+    import sat.training.deepspeed_training as training
+    import sat_patches
+    from sat_patches.patches.loading import SharedStartClock
+    row = {r["name"]: r for r in sat_patches.status()}["shared_experiment_start"]
+    assert row["status"] == "applied" and row["target"] == "sat.training.deepspeed_training:datetime"
+    assert "THUDM/CogVLM#269" in row["answers"]
+    clock = training.datetime
+    assert isinstance(clock, SharedStartClock) and sat_patches.is_patched("shared_experiment_start")
+    now = clock.now()
+    assert type(now) is datetime.datetime and isinstance(now, clock)         # the real clock until shared
+    assert clock.fromisoformat("2020-01-02T03:04:00") == datetime.datetime(2020, 1, 2, 3, 4)
+    start = datetime.datetime(2020, 1, 2, 3, 4)
+    clock.share(start)
+    assert clock.now() == start                       # once: experiment_name's timestamp
+    assert clock.now() > start
+    try:
+        sat_patches.unpatch("shared_experiment_start")
+        assert training.datetime is datetime.datetime
+        assert not sat_patches.is_patched("shared_experiment_start")
+    finally:
+        sat_patches.apply()
+    assert isinstance(training.datetime, SharedStartClock)

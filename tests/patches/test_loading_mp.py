@@ -1,4 +1,4 @@
-"""Checkpoints at another model-parallel size load rank-locally, from mapped files (issue 5).
+"""Checkpoints at another model-parallel size load rank-locally, from mapped files.
 
 Each rank builds the same MP=1 CogVLM-like model (LLaMA + vision experts, fused QKV with stride 3,
 LoRA on every attention), rank 0 saves it as a SAT checkpoint, then every rank calls

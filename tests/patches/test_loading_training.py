@@ -1,13 +1,13 @@
-"""MP=2 training saves into one directory and resumes from it (issue 5 item 3 and 4).
+"""MP=2 training saves into one directory and resumes from it.
 
 One 2-rank run with sat_patches and one with this area's patches disabled (the other CPU stand-ins
 kept, so that SAT can train here at all). Both runs give the ranks different time zones, as ranks on
-machines set to different zones or crossing a minute have different clocks (CogVLM 269), and the
+machines set to different zones or crossing a minute have different clocks (THUDM/CogVLM#269), and the
 launcher environment's ``LOCAL_WORLD_SIZE=8`` of CogVLM's ``.deepspeed_env`` on a 2-rank box.
 
 Each rank: (1) SAT's node groups; (2) ``training_main`` of the tiny LoRA LLaMA at MP=2, 4 steps,
 saving at the end; (3) ``from_pretrained(<that run>, overwrite_args={'model_parallel_size': 2})``
-(CogVLM 233) against the trained weights; (4) ``training_main --mode pretrain --load <that run>``
+(THUDM/CogVLM#233) against the trained weights; (4) ``training_main --mode pretrain --load <that run>``
 continues to step 8 in the same directory; (5) the MP=2 checkpoint loads at MP=1 (both shards read
 by every rank, LoRA A/B merged) and gives the MP=2 logits.
 """
@@ -19,7 +19,7 @@ from sat_patches.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-MINE = ["local_world_size_check", "shared_experiment_name", "from_pretrained_rank_local", "load_checkpoint_mmap"]
+MINE = ["local_world_size_check", "shared_experiment_start", "shared_experiment_name", "from_pretrained_rank_local", "load_checkpoint_mmap"]
 # ZeRO-1 bf16: SAT's save_checkpoint reads optimizer.optimizer, which an unwrapped fp32 optimizer lacks
 TRAIN = ["--model-parallel-size", "2", "--train-iters", "4", "--no-save-rng", "--log-interval", "4",
          "--zero-stage", "1", "--bf16"]
@@ -67,7 +67,7 @@ def train_save_resume(root):
         out["resume"] = _outcome(lambda: tiny_lora.main(TRAIN + ["--mode", "pretrain", "--train-iters", "8",
                                                                  "--load", os.path.join(root, first),
                                                                  "--save", root]), deadline=20)
-        os.environ["LOCAL_WORLD_SIZE"] = "2"  # past the node-group failure, to what CogVLM 233 reports
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # past the node-group failure, to what THUDM/CogVLM#233 reports
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(2)
         out["from_pretrained"] = _outcome(lambda: _from_pretrained_mp2(os.path.join(root, first)), deadline=10)
@@ -112,7 +112,7 @@ def _logits(model):
 
 
 def _from_pretrained_mp2(run):
-    """What CogVLM's finetune demo does with --model_parallel_size 2 (CogVLM 233)."""
+    """What CogVLM's finetune demo does with --model_parallel_size 2 (THUDM/CogVLM#233)."""
     from sat_patches.testing import tiny_lora
     cls = tiny_lora.model_class()
     args = cls.get_args(mode="inference")  # model-only namespace; the arch comes from model_config.json
@@ -146,9 +146,9 @@ def test_stock_splits_directories_loses_node_groups_and_cannot_resume(tmp_path):
     got = _run(tmp_path, MINE)
     assert all(g["train"][0] == "ok" for g in got), got
     assert got[0]["node"][0] == "error" and "node group is not initialized" in got[0]["node"][1]
-    assert len(got[0]["dirs"]) == 2, got[0]  # CogVLM 269: each rank's timestamp names its own directory
+    assert len(got[0]["dirs"]) == 2, got[0]  # THUDM/CogVLM#269: each rank's timestamp names its own directory
     # rank 0 resumes from its directory: SAT exits on the RNG states it never saved
     assert got[0]["resume"][0] == "error" and "SystemExit" in got[0]["resume"][1], got[0]
-    # CogVLM 233: from_pretrained of an MP=2 checkpoint at MP=2 (rank 1 is left blocked in a collective)
+    # THUDM/CogVLM#233: from_pretrained of an MP=2 checkpoint at MP=2 (rank 1 is left blocked in a collective)
     assert got[0]["from_pretrained"][0] == "error", got[0]
     assert "model_parallel_size is inconsistent" in got[0]["from_pretrained"][1], got[0]

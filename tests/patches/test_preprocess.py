@@ -1,4 +1,4 @@
-"""Data preprocessing on rank 0 first (issue 7 item 5): on 2 CPU ranks SAT's make_loaders (through the
+"""Data preprocessing on rank 0 first: on 2 CPU ranks SAT's make_loaders (through the
 name training_main calls) runs the tiny LoRA script's create_dataset on rank 0 before rank 1; rank 0's
 error reaches rank 1 at once; a rank 0 past SAT_PATCHES_PREPROCESS_TIMEOUT is named by rank 1. Stock
 counterparts (the patch disabled): the ranks preprocess at once and rank 1 is told nothing.

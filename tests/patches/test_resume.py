@@ -1,4 +1,4 @@
-"""Exact resume (issue 7 item 3): a LoRA run at MP=2 on 2 CPU ranks, stopped after its checkpoint at
+"""Exact resume: a LoRA run at MP=2 on 2 CPU ranks, stopped after its checkpoint at
 iteration 4 (SAT's own ``--exit-interval``) and continued with ``--mode pretrain --load``, gives the
 per-step losses of the uninterrupted 8-step run: same optimizer states, learning-rate schedule (cosine,
 no re-warm), dropout masks and data order.

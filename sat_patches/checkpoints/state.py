@@ -1,0 +1,191 @@
+"""Loading a checkpoint's state into a model: in place, or by assignment where the model is still on
+meta, each rank reading only its own slices of the memory-mapped shards
+(:class:`~sat_patches.checkpoints.sharding.ShardedSource`); and the random states a checkpoint saved.
+
+Used by :mod:`sat_patches.patches.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
+:mod:`sat_patches.patches.resume` and by ``python -m sat_patches.merge``.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core.coordination import stage
+from ..core.registry import SatPatchesWarning
+from .files import Checkpoint, CheckpointError
+from .sharding import ShardedSource, release_pages, split_of
+
+
+def materialise_device() -> torch.device:
+    """Where tensors built on meta are materialised: the compute device (CPU while it is meta)."""
+    from ..patches import devices
+    return devices.communication_device()
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Modules with their own load logic (SAT/our LoRA layers, Hack* layers, pre-hooks)."""
+    return (type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+            or bool(module._load_state_dict_pre_hooks))
+
+
+def _tensors(module: torch.nn.Module):
+    """(name, tensor, is_parameter, persistent) of a module's own parameters and buffers."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield name, p, True, True
+    for name, b in module._buffers.items():
+        if b is not None:
+            yield name, b, False, name not in module._non_persistent_buffers_set
+
+
+class _LazyState(Mapping):
+    """What a module with its own ``_load_from_state_dict`` sees: this rank's slices, read on use."""
+
+    def __init__(self, source: ShardedSource, resolve):
+        self.source, self.resolve, self.views = source, resolve, []
+
+    def __contains__(self, key):
+        return key in self.source
+
+    def __iter__(self):
+        return iter(self.source.keys())
+
+    def __len__(self):
+        return len(self.source.keys())
+
+    def __getitem__(self, key):
+        like, split = self.resolve(key)
+        if like is None:
+            tensor = self.source.state[0][key]
+        else:
+            tensor = self.source.assembled(key, like, split)
+        self.source.used.add(key)
+        if tensor.untyped_storage().data_ptr() in self.source.mapped_storages:
+            self.views.append(tensor)  # a view of the mapped file: its pages are released after use
+        return tensor
+
+    def release(self):
+        for t in self.views:
+            release_pages(t)
+        self.views.clear()
+
+
+def _resolve(model: torch.nn.Module, key: str):
+    """(model tensor, split) for a state-dict key; SAT LoRA's plain ``x.weight`` is ``x.original.weight``."""
+    path, _, name = key.rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return None, None
+    tensor = getattr(owner, name, None)
+    if not isinstance(tensor, torch.Tensor) and isinstance(getattr(owner, "original", None), torch.nn.Module):
+        owner, key = owner.original, f"{path}.original.{name}"
+        tensor = getattr(owner, name, None)
+    if not isinstance(tensor, torch.Tensor):
+        return None, None
+    return tensor, split_of(model, key, owner, name)
+
+
+def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str], List[str]]:
+    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
+    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). Returns
+    (missing_keys, unexpected_keys)."""
+    missing, unexpected, errors = [], [], []
+    assigned: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
+    target = materialise_device()
+    hooked_prefixes = []
+
+    def fill(module, prefix):
+        for name, t, is_param, persistent in _tensors(module):
+            key = prefix + name
+            if not persistent:
+                continue
+            if key not in source:
+                missing.append(key)
+                continue
+            if id(t) in assigned and assigned[id(t)][0] is t:  # shared (tied) tensor, already loaded
+                new = assigned[id(t)][1]
+                source.used.add(key)
+            elif t.is_meta:
+                new = torch.empty(t.shape, dtype=t.dtype, device=target)
+                source.copy_into(key, new, split_of(model, key, module, name))
+                if is_param:
+                    new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    new.__dict__.update(t.__dict__)
+                assigned[id(t)] = (t, new)  # holding t keeps its id from being reused
+            else:
+                source.copy_into(key, t, split_of(model, key, module, name))
+                continue
+            (module._parameters if is_param else module._buffers)[name] = new
+
+    def load(module, prefix):
+        if _hooked(module):
+            hooked_prefixes.append(prefix)
+            view = _LazyState(source, lambda key: _resolve(model, key))
+            module._load_from_state_dict(view, prefix, {}, True, missing, unexpected, errors)
+            view.release()
+        else:
+            fill(module, prefix)
+        for child_name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + child_name + ".")
+        incompatible = torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        for hook in module._load_state_dict_post_hooks.values():
+            hook(module, incompatible)
+
+    load(model, "")
+    if errors:
+        raise CheckpointError("loading '{}' failed:\n\t{}".format(source.ckpt.path, "\n\t".join(errors)))
+    unexpected += [k for k in source.keys() if k not in source.used and k not in unexpected
+                   and not any(k.startswith(p) for p in hooked_prefixes if p)]
+    return missing, unexpected
+
+
+def meta_tensors(model: torch.nn.Module) -> List[str]:
+    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+
+
+def _model_parallel() -> Tuple[int, int]:
+    from sat import mpu
+    if dist.is_initialized() and mpu.model_parallel_is_initialized():
+        return mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
+    return 0, 1
+
+
+def open_source(ckpt: Checkpoint, prefix: str = "") -> ShardedSource:
+    """Map ``ckpt``'s shards for this rank's model-parallel rank and size."""
+    rank, size = _model_parallel()
+    with stage(f"opening {ckpt.mp_size} shard(s) of '{ckpt.path}' iteration {ckpt.iteration}"):
+        return ShardedSource(ckpt, prefix, rank, size)
+
+
+def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
+    """Can ``model`` (built on meta) be materialised from a checkpoint with these keys alone?"""
+    for prefix, module in model.named_modules():
+        prefix = prefix + "." if prefix else ""
+        for name, t, _, persistent in _tensors(module):
+            if t.is_meta and (_hooked(module) or not persistent or prefix + name not in keys):
+                return False
+    return True
+
+
+def restore_rng(saved: dict) -> None:
+    """Set Python's, numpy's, torch's (and CUDA's) random states from a SAT checkpoint's saved dict;
+    a state the checkpoint lacks is left as it is, with a warning."""
+    import random
+    import numpy as np
+    states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
+              ("torch_rng_state", torch.set_rng_state)]
+    if torch.cuda.is_available():
+        states.append(("cuda_rng_state", torch.cuda.set_rng_state))
+    absent = [name for name, _ in states if name not in saved]
+    for name, setter in states:
+        if name in saved:
+            setter(saved[name])
+    if absent:
+        warnings.warn(f"checkpoint has no {', '.join(absent)} (saved with --no-save-rng?): those random "
+                      f"states start fresh; pass --no-load-rng to silence this", SatPatchesWarning)

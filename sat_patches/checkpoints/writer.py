@@ -1,0 +1,149 @@
+"""Writing SAT checkpoint directories so that a crash never leaves a half-written one in place.
+
+A checkpoint directory (``model_config.json``, ``latest``, ``<iteration>/mp_rank_XX_model_states.pt``)
+is written into a temporary sibling (:func:`staging_dir_for`), every file and directory in it is
+fsynced, and one rename puts it under its final name (an atomic exchange when that name exists, see
+:func:`replace_dir`); the parent directory is fsynced last. Until the rename a reader sees the old
+directory, whole; what the user had there is removed only once the new one is complete. Single
+files (``latest``, ``model_config.json``) are replaced the same way (:func:`write_text_atomic`).
+
+Used by the atomic checkpoint save (:mod:`sat_patches.patches.checkpointing`), by
+``python -m sat_patches.merge`` and by :func:`sat_patches.cogvlm.config.save_pretrained_dir`.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import sys
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (files created, renamed or removed in it) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under ``root``, then every directory, deepest first."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(folder)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old content or the new, never a part."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def save_atomic(obj, path: str) -> None:
+    """``torch.save(obj, path)`` through a temporary file renamed into place (several writers of the
+    same file, e.g. data-parallel ranks holding the same shard, cannot mix their bytes)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def replace_dir(staged: str, final: str) -> None:
+    """Put the complete directory ``staged`` at ``final`` (a sibling path) with one rename, after
+    fsyncing everything in it; an existing ``final`` is swapped out atomically where the system can
+    (else renamed aside for the moment of the rename) and removed only after the new one is in place."""
+    fsync_tree(staged)
+    old = None
+    if os.path.exists(final):
+        if _exchange(staged, final):
+            old = staged                      # the previous directory now sits at the staging path
+        else:                                 # no atomic swap: brief window without ``final``
+            old = f"{final}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(staged, final)
+    else:
+        os.rename(staged, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def staging_dir_for(final: str, shared: bool = False) -> str:
+    """The temporary sibling a new ``final`` is written in: ``.<name>.partial-<pid>``, or with
+    ``shared`` (several processes writing one directory) ``.<name>.partial``."""
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".{name}.partial" + ("" if shared else f"-{os.getpid()}"))
+
+
+def write_layout(directory: str, iteration: int, shards: Mapping[int, dict], config: Optional[dict] = None,
+                 latest: bool = True) -> None:
+    """Write SAT's checkpoint files into ``directory``: ``<iteration>/mp_rank_XX_model_states.pt`` for
+    each ``{model-parallel rank: saved dict}`` of ``shards``, ``model_config.json`` (when ``config``)
+    and ``latest``. Each file is replaced whole; publish the directory with :func:`replace_dir`."""
+    folder = os.path.join(directory, str(iteration))
+    os.makedirs(folder, exist_ok=True)
+    for rank, saved in shards.items():
+        save_atomic(saved, os.path.join(folder, f"mp_rank_{rank:02d}_model_states.pt"))
+    if config is not None:
+        write_text_atomic(os.path.join(directory, "model_config.json"), json.dumps(config, indent=4))
+    if latest:
+        write_text_atomic(os.path.join(directory, "latest"), str(iteration))
+
+
+def publish_checkpoint_dir(staged: str, final: str) -> None:
+    """:func:`replace_dir` once ``staged`` holds a complete checkpoint (every model-parallel shard of
+    the iteration ``latest`` names, none truncated); else :class:`CheckpointError`, ``final`` untouched."""
+    from .files import find_checkpoint
+    find_checkpoint(staged)
+    replace_dir(staged, final)
+
+
+@contextlib.contextmanager
+def new_checkpoint_dir(final: str) -> Iterator[str]:
+    """``with new_checkpoint_dir(final) as tmp:`` write a checkpoint into ``tmp``; when the block ends
+    normally and ``tmp`` holds a complete checkpoint it replaces ``final`` (:func:`replace_dir`). On an
+    error the staged files are removed and ``final`` is left as it was."""
+    tmp = staging_dir_for(final)
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        publish_checkpoint_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
