@@ -1,6 +1,7 @@
 """The memory ledger: every rank records its host RSS (now and peak) and CUDA memory (allocated and
 reserved, now and max) at each phase of a SAT run; rank 0 prints the per-rank table, writes it to
-the run directory and flags a rank far above the others (issue 6).
+the run directory and flags a rank far above the others: which rank runs out of host or GPU memory, and
+in which phase, is the first question of every multi-GPU out-of-memory report.
 
 Phases, each recorded when the SAT call named returns (patches below):
 
