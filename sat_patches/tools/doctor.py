@@ -444,7 +444,7 @@ def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optio
         return
     e = best.estimate
     facts.host_needed_gb = e.host_node / plan.GB
-    facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SAT 0.4.12 without sat_patches: "
+    facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SwissArmyTransformer 0.4.12 without sat_patches: "
                               f"~{e.host_stock_node / plan.GB:.0f} GB)")
 
 

@@ -22,7 +22,7 @@ ranks; bf16/fp16 unless fp32):
   DeepSpeed process on the host.
 
 The host estimate assumes sat_patches: models are built on the GPU in the run's dtype and checkpoints
-are read through mmap in chunks. Stock SAT 0.4.12 is shown beside it: every rank builds its share in
+are read through mmap in chunks. Stock SwissArmyTransformer 0.4.12 is shown beside it: every rank builds its share in
 fp32 on the CPU and ``torch.load``s the whole checkpoint, and with MP>1 node rank 0 also builds the
 whole model (CogVLM issues 283 and 320, "kill -9").
 """
@@ -256,7 +256,7 @@ class Estimate:
     trainable: int
     device: Dict[str, float] = field(default_factory=dict)      # per GPU (or per CPU rank), bytes
     host: Dict[str, float] = field(default_factory=dict)        # per rank on the host, bytes
-    host_stock_node: float = 0.0                                # per node, stock SAT 0.4.12
+    host_stock_node: float = 0.0                                # per node, stock SwissArmyTransformer 0.4.12
 
     @property
     def per_gpu(self) -> float:
@@ -355,7 +355,7 @@ def estimate(config: dict, setup: Setup) -> Estimate:
 
 
 def stock_host_per_node(params: float, s: Setup) -> float:
-    """Stock SAT 0.4.12: each rank builds its share in fp32 on the CPU (``get_model``) and, from an
+    """Stock SwissArmyTransformer 0.4.12: each rank builds its share in fp32 on the CPU (``get_model``) and, from an
     MP=1 checkpoint at MP=1, ``torch.load``s the whole file; at MP>1 node rank 0 also builds the whole
     model in fp32 and loads the whole checkpoint to send partitions."""
     base = HOST_BASE_CUDA if s.device == "cuda" else HOST_BASE_CPU
@@ -509,7 +509,7 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
     lines += [f"recommended: MP_SIZE={s.mp}, ZeRO-{s.zero}, {'optimizer offload to CPU' if s.offload else 'no offload'},"
               f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
-              f"node with sat_patches (stock SAT 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
+              f"node with sat_patches (stock SwissArmyTransformer 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
               f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"
               f" --max_length {s.seq_len}" + (" --checkpoint-activations --vit_checkpoint_activations"
                                                 if s.checkpoint_activations else ""),
