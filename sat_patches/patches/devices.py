@@ -1,6 +1,9 @@
 """The device policy every patch asks, and the patches that remove SAT's hard-coded CUDA calls.
 
-Policy: the compute device is ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``.
+Policy: the compute device is ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``; a
+``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU. Every
+rank of a job must agree (checked when the process group is created,
+:func:`sat_patches.patches.distributed.check_ranks_agree_on_device`).
 Tests (or ``SAT_PATCHES_DEVICE=meta``) point it elsewhere with :func:`use_device` to prove that
 allocations follow it instead of a hard-coded device.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import time
 from typing import Optional
 
@@ -35,8 +39,21 @@ def compute_device() -> torch.device:
     if env:
         return torch.device(env)
     if cuda_available():
-        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+        count = torch.cuda.device_count()
+        if local_rank() >= count:  # a modulo would silently put two ranks on one GPU
+            raise RuntimeError(f"sat_patches: LOCAL_RANK={local_rank()} but {describe()}: this node runs more ranks "
+                               f"than it has GPUs. Lower the GPUs per node (NUM_GPUS_PER_WORKER / --nproc-per-node) "
+                               f"to {count}, or make more GPUs visible.")
+        return torch.device("cuda", local_rank())
     return torch.device("cpu")
+
+
+def describe() -> str:
+    """What this rank sees, for messages: host, CUDA devices, CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    count = torch.cuda.device_count() if cuda_available() else 0
+    return f"host {socket.gethostname()} sees {count} CUDA device(s) (CUDA_VISIBLE_DEVICES {shown})"
 
 
 def sat_device_arg():

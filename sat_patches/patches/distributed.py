@@ -11,10 +11,11 @@ import contextlib
 import functools
 import warnings
 
+import torch
 import torch.distributed as dist
 
 from . import devices
-from ..core.coordination import NO_BACKEND, error_kinds
+from ..core.coordination import NO_BACKEND, error_kinds, group_store
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
 
 
@@ -43,10 +44,40 @@ def _initialize_distributed(original):
     THUDM/SwissArmyTransformer#173)."""
     @functools.wraps(original)
     def initialize_distributed(args):
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
-        return original(args)
+        result = original(args)
+        if created:
+            check_ranks_agree_on_device()
+        return result
     return initialize_distributed
+
+
+DEVICE_KINDS = {"cpu": 0, "cuda": 1, "meta": 2}  # anything else: 3
+
+
+def check_ranks_agree_on_device() -> None:
+    """Every rank computes on the same kind of device, or the job stops here, on every rank.
+
+    A rank falls back to CPU only where it sees no CUDA. In a CUDA job that is a node's visibility
+    mistake (a wrong CUDA_VISIBLE_DEVICES, a missing driver), and the rank would join with another
+    backend and compute on its CPU until something times out. CPU on purpose (``SAT_PATCHES_DEVICE=cpu``,
+    the scripts' ``CPU_RANKS``) is that on every rank, so the ranks agree."""
+    if dist.get_world_size() == 1:
+        return
+    rank, mine = dist.get_rank(), devices.compute_device().type
+    store = group_store()
+    store.set(f"sat_patches/device/{rank}", f"{mine}|{devices.describe()}")
+    kinds = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(kinds, torch.tensor([DEVICE_KINDS.get(mine, 3)]))  # CPU tensors: every group has gloo for them
+    if len({int(k) for k in kinds}) == 1:
+        return
+    seen = {r: store.get(f"sat_patches/device/{r}").decode().split("|", 1) for r in range(len(kinds))}
+    lines = [f"  rank {r} computes on {kind}: {what}" for r, (kind, what) in seen.items()]
+    raise RuntimeError("sat_patches: the ranks of this job do not agree on the compute device:\n" + "\n".join(lines)
+                       + "\nMake CUDA visible on every node of a GPU job, or run every rank on CPU "
+                         "(SAT_PATCHES_DEVICE=cpu, or CPU_RANKS with the finetune scripts).")
 
 
 def _get_args(original):

@@ -103,3 +103,50 @@ def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
     for r in patched:
         assert r.ok, r.output[-3000:]
         assert r.result == {"mp": 2, "backend": "cpu:gloo,cuda:fakenccl"}
+
+
+def start_with_cuda_on(cuda_ranks):
+    """One rank of a job: the ranks in ``cuda_ranks`` see one (simulated) CUDA device, the others none;
+    SAT's initialize_distributed creates the process group. Returns what start-up said."""
+    import argparse
+    import os
+    from sat.arguments import initialize_distributed
+    rank = int(os.environ["RANK"])
+    if rank in cuda_ranks:
+        devices.cuda_available = lambda: True
+        torch.cuda.device_count = lambda: 1
+    register_cuda_only_backend("fakenccl")
+    args = argparse.Namespace(distributed_backend="fakenccl", device="cpu", world_size=2, rank=rank,
+                              local_rank=0, model_parallel_size=1, deepspeed=False)
+    try:
+        initialize_distributed(args)
+    except RuntimeError as exc:
+        return "refused: " + str(exc)
+    return f"started on {devices.compute_device().type}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("cuda_ranks", [(0,), ()], ids=["one-rank-without-cuda", "no-rank-has-cuda"])
+def test_ranks_that_disagree_on_cuda_stop_at_start_up_on_every_rank(cuda_ranks):
+    results = run_ranks(start_with_cuda_on, 2, args=(cuda_ranks,), timeout=120, env={"LOCAL_RANK": "0"})
+    said = [r.result for r in results]
+    assert all(s is not None for s in said), [r.output[-2000:] for r in results]
+    if not cuda_ranks:  # nobody has CUDA: the job agrees on CPU
+        assert said == ["started on cpu"] * 2
+        return
+    for s in said:
+        assert s.startswith("refused: sat_patches: the ranks of this job do not agree on the compute device")
+        assert "rank 0 computes on cuda: host" in s and "rank 1 computes on cpu: host" in s
+        assert "sees 0 CUDA device(s)" in s and "CPU_RANKS" in s
+
+
+def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert devices.compute_device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")  # stock SAT: LOCAL_RANK % device_count would share cuda:0
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=2 but host \S+ sees 2 CUDA device\(s\) "
+                                           r"\(CUDA_VISIBLE_DEVICES '0,1'\).*to 2"):
+        devices.compute_device()
