@@ -119,7 +119,7 @@ def test_a_rank_far_above_the_others_is_flagged():
     flags = ledger_files.flagged(rows)
     assert list(flags["host"]) == [3] and not flags["cuda"]
     assert "! rank 3 is far above the others in host RSS" in ledger_files.format_table(rows, rows)
-    assert not ledger.far_above({0: 500.0, 1: 520.0})   # ordinary spread
+    assert not ledger_files.far_above({0: 500.0, 1: 520.0})   # ordinary spread
 
 
 # --------------------------------------------------------------------------------------
