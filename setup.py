@@ -63,7 +63,7 @@ setup(
     extras_require={
         # `sat-patches report` draws the memory ledger as a PNG
         "report": ["matplotlib>=3.5"],
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib>=3.5"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.tools.cli:main"]},
 )

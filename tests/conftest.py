@@ -8,12 +8,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     # The test process runs with every patch applied, as a user's process that imported sat_patches and
-    # SAT does (``import sat_patches`` alone defers them until SAT is imported).
+    # SAT does (``import sat_patches`` alone defers them until SAT is imported). An xdist controller
+    # runs no test: it skips the SAT import.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     import sat_patches
     sat_patches.apply()
-    config.addinivalue_line("markers", "gpu: needs CUDA; skipped on CPU-only machines")
-    config.addinivalue_line("markers", "multirank: starts several processes")
-    config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow')")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,7 @@ def _status_in_subprocess(code, env=None):
     return {r["name"]: r for r in json.loads(line[len("STATUS"):])}, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["import sat, sat_patches", "import sat_patches, sat"])
 def test_every_patch_applied_in_either_import_order(order):
     rows, _ = _status_in_subprocess(f"{order}; {STATUS_SNIPPET}")
@@ -42,6 +43,7 @@ def test_import_alone_costs_no_sat_and_patches_go_on_when_sat_is_imported():
     assert "AFTER get_args_cpu_device" in out.stdout  # on by the time ``import sat`` returned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first_call", ["names", "status", "is_patched"])
 def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(first_call):
     call = {"names": "sat_patches.names()", "status": "sat_patches.status()",
@@ -54,6 +56,7 @@ def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(fir
     assert "ONCE True APPLIED True" in out.stdout
 
 
+@pytest.mark.slow
 def test_unpatch_before_import_sat_leaves_sat_stock():
     code = ("import sat_patches\nsat_patches.unpatch()\nimport sat.arguments\n"
             "print('MARK', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
@@ -97,6 +100,7 @@ def test_from_import_aliases_are_rebound_and_restored():
     assert sat.mpu.broadcast_data is patch.replacement
 
 
+@pytest.mark.slow
 def test_disable_env_turns_single_patches_off():
     rows, _ = _status_in_subprocess(STATUS_SNIPPET, env={"SAT_PATCHES_DISABLE": "timers_cuda_sync,get_args_cpu_device"})
     assert rows["timers_cuda_sync"]["status"] == "disabled"
@@ -144,6 +148,7 @@ def test_expect_params_names_missing_parameter():
     assert "parser" in expect_params("a", "parser")(f)
 
 
+@pytest.mark.slow
 def test_cli_status_prints_every_patch():
     out = subprocess.run([sys.executable, "-m", "sat_patches", "status", "--json"], capture_output=True,
                          text=True, timeout=300)

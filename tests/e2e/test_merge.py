@@ -80,6 +80,7 @@ def merge_and_compare(root, out):
     return got
 
 
+@pytest.mark.slow
 def test_merge_mp2_lora_to_mp1(tmp_path):
     import torch
     root, out = str(tmp_path / "run"), str(tmp_path / "merged")

@@ -55,6 +55,7 @@ def _run(tmp_path, patches, env=()):
     return os.path.dirname(runs[0]), results
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     from sat_patches.patches.loading import find_checkpoint, read_model_config
@@ -73,6 +74,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
     assert results[0].returncode != 0 and "rank 1 stopped (no heartbeat" in results[0].output   # survivor names it
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
     """Fails without the patch's effect: stock SAT points 'latest' at the half-written iteration."""

@@ -44,6 +44,7 @@ def _run(patches):
     return results, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_killed_rank_is_named_by_survivors():
     results, elapsed = _run(patches=True)

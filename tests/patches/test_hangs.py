@@ -39,6 +39,7 @@ def _dump_time(stderr):
     return float(re.search(r"sat_patches: rank \d \(pid \d+\) at ([\d.]+):", stderr).group(1))
 
 
+@pytest.mark.slow
 def test_forced_hang_dumps_every_rank_within_the_timeout_and_exits_nonzero():
     results = run_ranks(hang_in_parameter_sync, 2, timeout=180, env={hangs.ENV: str(TIMEOUT)})
     leader, follower = results

@@ -87,6 +87,7 @@ def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
         assert estimate == pytest.approx(peak["host"], rel=0.15), (rank, estimate, peak)
 
 
+@pytest.mark.slow
 def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tmp_path):
     # fresh process: RSS of a forked rank is not what a real rank measures (see tiny_run)
     [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)},

@@ -139,6 +139,7 @@ def load_mp2(ckpt_dir, cuda_standin=False, lora=False, stall_timeout=None):
 STALL_TIMEOUT = 3
 
 
+@pytest.mark.slow
 def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
     """... then rank 0 stalls in torch.load: rank 1 stops within the load timeout, naming the stage."""
     results = run_ranks(load_mp2, 2, args=(str(tmp_path / "ckpt"), False, True, STALL_TIMEOUT), timeout=150)

@@ -32,6 +32,7 @@ def worker(ckpt_dir, out_dir):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_two_nodes_load_mp2_per_node(tmp_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",

@@ -81,6 +81,7 @@ def runs(tmp_path_factory):
     return [r.result for r in results]
 
 
+@pytest.mark.slow
 def test_resumed_losses_equal_the_uninterrupted_run(runs):
     for rank in runs:
         assert rank["full"][:4] != rank["full"][4:]                        # the run does move

@@ -83,6 +83,7 @@ def test_without_fallback_fast_rotary_reaches_triton_and_fails():
     assert dispatch(q, *[torch.ones(7, 8)] * 2, pos, max_seqlen=7).shape == q.shape
 
 
+@pytest.mark.slow
 def test_import_sat_needs_the_import_patch_without_triton():
     env = dict(os.environ, SAT_PATCHES_DISABLE="triton_rotary_import")
     out = subprocess.run([sys.executable, "-c", "import sat"], capture_output=True, text=True, env=env, timeout=300)

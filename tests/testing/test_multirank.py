@@ -78,6 +78,7 @@ def test_a_rank_killed_by_sigkill_reports_minus_9():
     assert "about to SIGKILL myself" in r.stdout and r.result is None
 
 
+@pytest.mark.slow
 def test_a_hanging_rank_is_killed_at_the_timeout_after_its_faulthandler_dump():
     started = time.monotonic()
     [r] = run_ranks(hang, 1, args=(0.5,), timeout=8)  # room for the rank's own imports on a busy machine

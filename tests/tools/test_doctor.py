@@ -131,6 +131,7 @@ def test_doctor_on_this_machine_one_screen_json_and_exit_status(capsys, monkeypa
     assert "FAIL  hostfile" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
     """A fresh process imports DeepSpeed (which logs to stdout) and bitsandbytes while it gathers."""
     import os

@@ -108,6 +108,7 @@ def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_pa
     assert "mode checkout" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])
 def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, kind):
