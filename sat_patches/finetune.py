@@ -117,7 +117,13 @@ def processors(args, tokenizer):
 
 
 def add_lora(model, args):
+    """As upstream's demo: LoRA on the language model and on EVA; with ``--use_qlora`` the language
+    model's linears become NF4 under LoRA, and EVA stays as it is."""
     from sat.model.finetune.lora2 import LoraMixin
+    if args.use_qlora:
+        model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range, qlora=True),
+                        reinit=True)
+        return
     model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range), reinit=True)
     eva = model.get_mixin("eva").vit_model
     eva.add_mixin("lora", LoraMixin(args.eva_args["num_layers"], args.lora_rank, layer_range=args.layer_range),
@@ -145,7 +151,7 @@ def train(argv) -> int:
     cls.disable_untrainable_params = disable_untrainable_params
     overwrite = {"model_parallel_size": args.model_parallel_size} if args.model_parallel_size != 1 else {}
     model, args = cls.from_pretrained(args.from_pretrained, args, overwrite_args=overwrite)
-    if args.use_lora:
+    if args.use_lora or args.use_qlora:
         add_lora(model, args)
     tokenizer = llama2_tokenizer(args.local_tokenizer, signal_type=args.version)
     image, text, cross = processors(args, tokenizer)
