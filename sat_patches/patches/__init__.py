@@ -33,7 +33,7 @@ from ..core.registry import REGISTRY
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
 from . import (standins, checkpointing, construction, deepspeed_setup, devices, distributed, faults, hangs, ledger,
-               loading, lora, preprocess, resume)
+               loading, lora, preprocess, progress, resume)
 
 # Innermost first.
 MODULES = [
@@ -47,6 +47,7 @@ MODULES = [
     construction,
     loading,
     ledger,
+    progress,
     hangs,
     resume,
     checkpointing,

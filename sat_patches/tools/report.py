@@ -15,14 +15,39 @@ FIGSIZE, DPI = (10, 6), 100
 MARKED = ("build", "load", "split", "lora", "deepspeed_init", "first_step")
 
 
-def draw(run_dir: str, out: Optional[str] = None) -> str:
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("sat-patches report needs matplotlib: pip install 'sat_patches[report]' "
-                         "(or pip install matplotlib)") from exc
+                           "(or pip install matplotlib)") from exc
+    return plt
+
+
+def draw_loss_curve(run_dir: str) -> str:
+    """``loss_curve.png`` from the run's ``loss_curve.csv`` (one row per logged step)."""
+    import csv
+    with open(os.path.join(run_dir, "loss_curve.csv"), newline="") as f:
+        rows = [(int(r["iteration"]), float(r["loss"])) for r in csv.DictReader(f)]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=DPI)
+    ax.plot([i for i, _ in rows], [v for _, v in rows], marker="o", markersize=3)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"loss: {os.path.basename(os.path.abspath(run_dir))}", fontsize=10)
+    ax.grid(True, color="0.9")
+    fig.tight_layout()
+    out = os.path.join(run_dir, "loss_curve.png")
+    fig.savefig(out + ".tmp.png", dpi=DPI)
+    plt.close(fig)
+    os.replace(out + ".tmp.png", out)
+    return out
+
+
+def draw(run_dir: str, out: Optional[str] = None) -> str:
+    plt = _pyplot()
     rows = ledger_files.read(run_dir)
     if not rows:
         raise ValueError(f"{os.path.join(run_dir, ledger_files.CSV_NAME)} has no rows")

@@ -115,8 +115,11 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     out = run(SCRIPTS[kind], cwd=tmp_path, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
-    losses = [float(x) for x in re.findall(r"total loss ([0-9.E+-]+)", log)]
-    assert len(losses) == 10 and sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+    steps = re.findall(r"^iteration (\d+)/20 \| loss ([0-9.]+) \| lr \S+ \| [0-9.]+ s/it \| ETA \d+:\d\d:\d\d$", out.stdout,
+                       re.M)
+    losses = [float(loss) for _, loss in steps]
+    assert [int(i) for i, _ in steps] == list(range(2, 21, 2)) and sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+    assert "elapsed time per iteration" not in log  # SAT's long line is replaced, not repeated
     work = tmp_path / "sat_patches_demo" / kind
     [run_dir] = list((work / "checkpoints").iterdir())
     assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
@@ -126,5 +129,8 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     diff = float(re.search(r"max \|logit difference\| = ([0-9.e+-]+)", log).group(1))
     assert diff <= 1e-4
     assert re.search(r"merged model output for CAPTCHA '\w+': ", log)
+    with open(run_dir / "loss_curve.csv") as f:  # the curve beside the memory ledger, drawn as it grows
+        assert [round(float(r.split(",")[1]), 4) for r in f.read().split()[1:]] == losses
+    assert (run_dir / "loss_curve.png").stat().st_size > 10_000
     if kind == "cogvlm":
         assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")   # the demo's memory ledger
