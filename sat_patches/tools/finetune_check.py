@@ -21,6 +21,17 @@ MODEL_HEADS = {
 }
 
 
+NO_GPU = ("this run has no GPU ({where}): make the GPUs visible (CUDA_VISIBLE_DEVICES, the driver) and set "
+          "NUM_GPUS_PER_WORKER to their number, or run without GPUs: outside a CogVLM checkout the scripts train a "
+          "tiny model on CPU ranks by themselves.")
+
+
+def _visibility(env: dict) -> str:
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    return (f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else
+            "CUDA_VISIBLE_DEVICES unset, " + ("nvidia-smi lists none" if shutil.which("nvidia-smi") else "no nvidia-smi"))
+
+
 def _int(env: dict, name: str, default: Optional[int], errors: List[str]) -> Optional[int]:
     raw = env.get(name)
     if raw in (None, ""):
@@ -72,6 +83,8 @@ def model_heads(env: dict) -> Optional[int]:
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")
+    if not cpu and env.get("NUM_GPUS_PER_WORKER", "").strip() == "0":
+        return [NO_GPU.format(where="NUM_GPUS_PER_WORKER=0")]
     per_node = _int(env, "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER", 8, errors)
     mp = _int(env, "MP_SIZE", 1, errors)
     nnodes = _int(env, "NNODES", 1, errors)
@@ -91,7 +104,9 @@ def check(env: dict) -> List[str]:
                       f"set MP_SIZE to one of {fits}.")
     if not cpu:
         visible = visible_gpus(env)
-        if visible is not None and per_node > visible:
+        if visible == 0:
+            errors.append(NO_GPU.format(where=_visibility(env)))
+        elif visible is not None and per_node > visible:
             errors.append(f"NUM_GPUS_PER_WORKER={per_node} but this node has {visible} visible GPU(s): set "
                           f"NUM_GPUS_PER_WORKER={visible} (or make more GPUs visible via CUDA_VISIBLE_DEVICES).")
     lws = env.get("LOCAL_WORLD_SIZE")

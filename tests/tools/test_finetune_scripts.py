@@ -64,6 +64,19 @@ def _deepspeed_config_of(stdout):
         return path, json.load(f)
 
 
+@pytest.mark.parametrize("env", [{}, {"NUM_GPUS_PER_WORKER": "0"}], ids=["default", "zero-gpus"])
+def test_in_a_checkout_without_gpus_one_message_names_both_ways_out(tmp_path, env):
+    demo_dir = tmp_path / "CogVLM" / "finetune_demo"
+    demo_dir.mkdir(parents=True)
+    (demo_dir / "finetune_cogvlm_demo.py").write_text("# upstream demo stand-in\n")
+    shutil.copy(SCRIPTS["cogvlm"], demo_dir)
+    out = run(str(demo_dir / "finetune_cogvlm.sh"), dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES=""), cwd=tmp_path)
+    errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
+    assert "this run has no GPU" in errors[0] and "make the GPUs visible" in errors[0]
+    assert "train a tiny model on CPU ranks" in errors[0] and "NUM_GPUS_PER_WORKER=8" not in errors[0]
+
+
 def test_micro_batch_is_written_into_the_config_the_run_uses(tmp_path):
     env = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2"}
     out = run(SCRIPTS["cogvlm"], dict(env, MICRO_BATCH="2"), cwd=tmp_path)
