@@ -15,10 +15,11 @@ import datetime
 import functools
 import logging
 import os
+import warnings
 
 import torch.distributed as dist
 
-from ..core.registry import Patch, expect_params
+from ..core.registry import Patch, SatPatchesWarning, expect_params
 from .ledger import run_directory
 
 CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"
@@ -74,7 +75,10 @@ def _report_iteration_metrics(original):
         print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
         run_dir = run_directory(args)
         if run_dir:
-            record_step(run_dir, step, loss, lr, elapsed_time)
+            try:
+                record_step(run_dir, step, loss, lr, elapsed_time)
+            except OSError as exc:  # a full or read-only disk must not stop the training
+                warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
     return report_iteration_metrics
 
 
