@@ -78,10 +78,29 @@ def forward_step(data_iterator, model, args, timers):
     return loss, {"loss": loss}
 
 
+def _eva_mlp_layer_46_to_54(name: str) -> bool:
+    if "vit" not in name or ".mlp" not in name:
+        return False
+    layer = name[:name.find(".mlp")].rsplit(".", 1)[-1]
+    return layer.isdigit() and 45 < int(layer) < 55
+
+
+# Beyond the adapters, what upstream's finetune demos train (parameter names matched as they match them):
+# CogVLM the MLP of EVA layers 46-54; CogAgent the cross encoder and attention, the GLU adapter, both
+# vision experts, boi/eoi and the EVA tower.
+DEMO_TRAINABLE = {
+    "cogvlm": _eva_mlp_layer_46_to_54,
+    "cogagent": lambda name: any(key in name for key in ("encoder", "cross_attention", "linear_proj", "mlp.vision",
+                                                         "rotary.vision", "eoi", "boi", "vit")),
+}
+
+
 def disable_untrainable_params(model):
-    """LoRA fine-tuning: only the LoRA matrices train."""
+    """What upstream's demo trains: the adapters and :data:`DEMO_TRAINABLE`. ``SAT_PATCHES_TRAINABLE=lora``
+    (the finetune scripts' default for this trainer) narrows it to the adapters."""
+    kind = getattr(model.args, "kind", "cogvlm")
     for name, p in model.named_parameters():
-        p.requires_grad_("matrix_A" in name or "matrix_B" in name)
+        p.requires_grad_("matrix_A" in name or "matrix_B" in name or DEMO_TRAINABLE[kind](name.lower()))
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -140,6 +159,7 @@ def train(argv) -> int:
     from sat.training.deepspeed_training import training_main
     from .cogvlm import data_collator, llama2_tokenizer, model_class_for
     kind = _kind_of(argv)
+    os.environ.setdefault("SAT_PATCHES_TRAINABLE", "lora")  # this trainer's default: the adapters only
     known, rest = demo_parser(kind).parse_known_args(argv)
     from .patches.faults import check_finetune_args
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built

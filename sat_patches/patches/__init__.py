@@ -12,12 +12,13 @@ later wraps the ones listed earlier (its code runs first on the way in and last 
 * ``sat.arguments:initialize_distributed``: distributed (the process group's backends), then
   deepspeed_setup (config lint before DeepSpeed reads it), ledger (baseline row once the group
   exists), hangs (collective timeout set around all of it).
-* ``sat.training.deepspeed_training:training_main``: faults (rank heartbeat outermost of the three
-  it shares with), distributed (parameters moved to the compute device), loading (one experiment
-  name chosen on rank 0 before anything is saved).
+* ``sat.training.deepspeed_training:training_main``: faults (the rank heartbeat runs around SAT's
+  training), distributed (a passed-in model goes to the compute device), loading (outermost: one
+  experiment name is chosen on rank 0 before anything beneath it runs).
 * ``setup_model_untrainable_params_and_optimizer``: distributed (names the collective when the
-  parameter sync fails), ledger (memory after DeepSpeed's set-up), resume (optimizer shards loaded
-  after DeepSpeed built the optimizer).
+  parameter sync fails), trainable (the adapters-only choice is in place before SAT asks the model
+  what trains), ledger (memory after DeepSpeed's set-up), resume (optimizer shards loaded after
+  DeepSpeed built the optimizer).
 * ``MetaModel.__call__`` and ``BaseModel.add_mixin``: construction (build on the compute device, in
   the run's dtype), then ledger (the row is taken once the construction context has closed).
 * ``load_checkpoint`` and ``BaseModel.from_pretrained``: loading replaces SAT's code without
@@ -33,7 +34,7 @@ from ..core.registry import REGISTRY
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
 from . import (standins, checkpointing, construction, deepspeed_setup, devices, distributed, faults, hangs, ledger,
-               loading, lora, preprocess, progress, resume)
+               loading, lora, preprocess, progress, resume, trainable)
 
 # Innermost first.
 MODULES = [
@@ -44,6 +45,7 @@ MODULES = [
     distributed,
     deepspeed_setup,
     lora,
+    trainable,
     construction,
     loading,
     ledger,

@@ -114,6 +114,9 @@ def check(env: dict) -> List[str]:
         errors.append(f"LOCAL_WORLD_SIZE={lws} but each node runs {per_node} ranks ({unit}): SAT would build no "
                       f"node groups and model-parallel loading fails ('node group is not initialized'). Unset "
                       f"LOCAL_WORLD_SIZE or set LOCAL_WORLD_SIZE={per_node} (also in .deepspeed_env).")
+    if env.get("TRAINABLE") not in (None, "", "lora", "demo"):
+        errors.append(f"TRAINABLE={env['TRAINABLE']!r}: set TRAINABLE=lora (the adapters only) or TRAINABLE=demo "
+                      f"(what the demo script trains), or leave it unset.")
     ds_config = env.get("DS_CONFIG")
     if ds_config and config_path(ds_config) is None:
         shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".json") and n != "cpu_demo.json")

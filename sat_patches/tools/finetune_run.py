@@ -33,6 +33,7 @@ DEFAULTS = {
     "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
     "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
     "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
+    "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -54,6 +55,9 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     if mode({**env, **environ}) == "cpu":
         env.update(CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}", WORK_DIR=os.path.abspath(f"sat_patches_demo/{kind}"))
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
+    if not env.get("TRAINABLE"):
+        env["TRAINABLE"] = "demo" if mode(env) == "checkout" else "lora"
+    env["SAT_PATCHES_TRAINABLE"] = env["TRAINABLE"]  # read by the ranks (sat_patches.patches.trainable)
     return env
 
 
@@ -80,7 +84,7 @@ def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
     zero = config.get("zero_optimization", {})
     opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
                         zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
-                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]))
+                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"])
     fits = [o.estimate.setup.micro_batch for o in opts if o.viable and o.estimate.setup.mp == int(env["MP_SIZE"])]
     return max(fits) if fits else None
 
@@ -196,7 +200,8 @@ def main(argv=None) -> int:
     # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
     run_env = env if run_mode == "cpu" else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     run_env = {k: v for k, v in run_env.items() if not (run_mode == "cpu" and k == "LOCAL_WORLD_SIZE")}
-    print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}", flush=True)
+    print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
+          flush=True)
     for cmd in commands:
         if "{checkpoint}" in cmd:
             cmd = [latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c

@@ -32,12 +32,15 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "HOST_FILE": "/nonexistent/hostfile"},
      "HOST_FILE=/nonexistent/hostfile does not exist"),
     ({"MP_SIZE": "two"}, "MP_SIZE='two' is not a whole number"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "TRAINABLE": "all"},
+     "TRAINABLE='all': set TRAINABLE=lora (the adapters only) or TRAINABLE=demo"),
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MICRO_BATCH": "0"},
      "MICRO_BATCH=0 must be at least 1"),
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "DS_CONFIG": "zero9.json"},
      "DS_CONFIG=zero9.json is neither a file nor one of the configs installed with sat_patches: set DS_CONFIG to one "
      "of low_memory.json, zero2.json, zero2_offload.json"),
-], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "micro-batch",
+], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "trainable",
+         "micro-batch",
          "ds-config"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
@@ -118,7 +121,7 @@ def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_pa
                                                     "NUM_GPUS_PER_WORKER": "4", "MP_SIZE": "4"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"--module sat_patches.launch {demo_dir / 'finetune_cogvlm_demo.py'} " in out.stdout
-    assert "mode checkout" in out.stdout
+    assert "mode checkout" in out.stdout and "TRAINABLE=demo" in out.stdout  # the demo's own choice by default
 
 
 @pytest.mark.slow
