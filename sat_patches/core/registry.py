@@ -22,7 +22,7 @@ class SatPatchesWarning(UserWarning):
     """A patch was skipped (SAT's code does not look as verified) or a setting was corrected."""
 
 
-def _env_names(var: str) -> set:
+def env_names(var: str) -> set:
     return {n.strip() for n in os.environ.get(var, "").split(",") if n.strip()}
 
 
@@ -210,7 +210,7 @@ class Registry:
         return [p.name for p in self.patches]
 
     def apply_all(self, disable=(), force=None) -> None:
-        disabled = set(disable) | _env_names("SAT_PATCHES_DISABLE")
+        disabled = set(disable) | env_names("SAT_PATCHES_DISABLE")
         unknown = disabled - set(self.names()) - {"all"}
         if unknown:
             warnings.warn(f"sat_patches: SAT_PATCHES_DISABLE names unknown patches {sorted(unknown)}; "

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import devices
-from ..core.coordination import NO_BACKEND, error_kinds, group_store
+from ..core.coordination import NO_BACKEND, error_kinds
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
 
 
@@ -54,7 +54,21 @@ def _initialize_distributed(original):
     return initialize_distributed
 
 
-DEVICE_KINDS = {"cpu": 0, "cuda": 1, "meta": 2}  # anything else: 3
+def _all_gather_text(text: str, size: int = 512) -> list:
+    """Every rank's ``text`` (up to ``size`` bytes), in rank order: one collective on CPU tensors,
+    which every process group here has a backend for."""
+    data = text.encode()[:size]
+    mine = torch.zeros(size, dtype=torch.uint8)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
+
+
+def _say_device(kind: str, ranks: int) -> None:
+    """Once per job: where it computes (DeepSpeed's own accelerator line is filtered out as noise)."""
+    why = " (no CUDA device: DeepSpeed runs on its CPU accelerator)" if kind == "cpu" else ""
+    print(f"sat_patches: {ranks} rank(s) compute on {kind}{why}", flush=True)
 
 
 def check_ranks_agree_on_device() -> None:
@@ -64,17 +78,13 @@ def check_ranks_agree_on_device() -> None:
     mistake (a wrong CUDA_VISIBLE_DEVICES, a missing driver), and the rank would join with another
     backend and compute on its CPU until something times out. CPU on purpose (``SAT_PATCHES_DEVICE=cpu``,
     the scripts' ``CPU_RANKS``) is that on every rank, so the ranks agree."""
+    rank, mine = dist.get_rank(), devices.compute_device().type
     if dist.get_world_size() == 1:
         return
-    rank, mine = dist.get_rank(), devices.compute_device().type
-    store = group_store()
-    store.set(f"sat_patches/device/{rank}", f"{mine}|{devices.describe()}")
-    kinds = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(kinds, torch.tensor([DEVICE_KINDS.get(mine, 3)]))  # CPU tensors: every group has gloo for them
-    if len({int(k) for k in kinds}) == 1:
-        return
-    seen = {r: store.get(f"sat_patches/device/{r}").decode().split("|", 1) for r in range(len(kinds))}
-    lines = [f"  rank {r} computes on {kind}: {what}" for r, (kind, what) in seen.items()]
+    seen = [text.split("|", 1) for text in _all_gather_text(f"{mine}|{devices.describe()}")]
+    if len({kind for kind, _ in seen}) == 1:
+        return _say_device(mine, len(seen)) if rank == 0 else None
+    lines = [f"  rank {r} computes on {kind}: {what}" for r, (kind, what) in enumerate(seen)]
     raise RuntimeError("sat_patches: the ranks of this job do not agree on the compute device:\n" + "\n".join(lines)
                        + "\nMake CUDA visible on every node of a GPU job, or run every rank on CPU "
                          "(SAT_PATCHES_DEVICE=cpu, or CPU_RANKS with the finetune scripts).")

@@ -34,7 +34,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core.registry import Patch, expect_names, expect_params
-from ..tools.ledger_files import MiB, RANK_CSV, Row, append, format_table, host_memory, latest_per_rank, write
+from ..tools.ledger_files import (MiB, RANK_CSV, Row, append, flagged, format_table, host_memory, latest_per_rank,
+                                  write)
 
 def cuda_memory() -> Dict[str, float]:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -101,7 +102,8 @@ class Ledger:
         return [Row(**r) for box in (boxes or []) for r in box]
 
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
-        """Gather; on rank 0 append to the run directory's files and print the table."""
+        """Gather; on rank 0 append to the run directory's files, and print the table the first time
+        and whenever a rank stands far above the others (the files keep every interval)."""
         new = self.gather()
         if _rank() != 0:
             return new
@@ -109,8 +111,10 @@ class Ledger:
         self.table.extend(new)
         if run_dir:
             write(run_dir, new, self.table, fresh=first)
-        shown = new if first else latest_per_rank(new)
-        print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
+        flags = flagged(self.table)
+        if first or flags["host"] or flags["cuda"]:
+            shown = new if first else latest_per_rank(new)
+            print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
         return new
 
 

@@ -19,6 +19,7 @@ import warnings
 
 import torch.distributed as dist
 
+from ..core import noise
 from ..core.registry import Patch, SatPatchesWarning, expect_params
 from .ledger import run_directory
 
@@ -82,7 +83,31 @@ def _report_iteration_metrics(original):
     return report_iteration_metrics
 
 
+class QuietThirdPartyPatch(Patch):
+    """The log filters of :mod:`sat_patches.core.noise` as a registry entry (they go on at ``import
+    sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
+
+    def current(self):
+        return all(noise.installed(name) for name in noise.QUIETED)
+
+    def is_applied(self) -> bool:
+        return self.current()
+
+    def apply(self, force: bool = False) -> None:
+        noise.install()
+        self.status, self.reason = "applied", ""
+
+    def restore(self) -> None:
+        if self.status == "applied":
+            noise.remove()
+            self.status, self.reason = "restored", ""
+
+
 PATCHES = [
+    QuietThirdPartyPatch(
+        noise.PATCH_NAME, "logging:" + ",".join(noise.QUIETED), make=None,
+        answers="every process logged bitsandbytes' 'Failed to load CPU gemm_4bit_forward from kernels-community' "
+                "and DeepSpeed's 'Setting accelerator to CPU' at import; sat_patches says the device once on rank 0"),
     Patch("progress_line", "sat.training.deepspeed_training:report_iteration_metrics", _report_iteration_metrics,
           answers="SAT logs a long line per log interval with no time left; here one short line with an ETA, and "
                   "the run's loss curve (loss_curve.csv/.png beside the memory ledger)",

@@ -68,6 +68,7 @@ def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
         assert [r.phase for r in own] == [r.phase for r in rows if r.rank == rank]
     table = results[0].stdout
     assert "[sat_patches memory ledger] after the first step (iteration 1)" in table
+    assert table.count("[sat_patches memory ledger]") == 1  # later intervals go to the files (no rank flagged)
     assert re.search(r"^\s+1  first_step\s+1\s+\d+\s+\d+$", table, re.M)  # rank 0 prints rank 1's row
     assert "[sat_patches memory ledger]" not in results[1].stdout
 

@@ -1,0 +1,48 @@
+"""Third-party messages that say nothing about a sat_patches run, filtered out of their loggers.
+
+Every process of a run (each rank, the demo's prepare/merge/verify steps) logged them at import:
+
+* bitsandbytes' CPU backend: "Failed to load CPU gemm_4bit_forward from kernels-community ...": an
+  optional faster CPU kernel for 4-bit matmuls (QLoRA on CPU), fetched from a model hub.
+* DeepSpeed: "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+  detect it.": the ranks' device is what matters, and sat_patches says it once, on rank 0, when the
+  ranks have agreed on it (:func:`sat_patches.patches.distributed.check_ranks_agree_on_device`).
+
+The filters go on at ``import sat_patches``, before SAT (and with it bitsandbytes and DeepSpeed) is
+imported; ``SAT_PATCHES_DISABLE=quiet_third_party`` keeps the messages.
+"""
+from __future__ import annotations
+
+import logging
+
+PATCH_NAME = "quiet_third_party"
+QUIETED = {  # logger -> the start of the message dropped from it
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+    "DeepSpeed": "Setting accelerator to CPU",
+}
+
+
+class DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.text)
+
+
+def installed(logger_name: str) -> bool:
+    return any(isinstance(f, DropMessage) for f in logging.getLogger(logger_name).filters)
+
+
+def install() -> None:
+    for name, text in QUIETED.items():
+        if not installed(name):
+            logging.getLogger(name).addFilter(DropMessage(text))
+
+
+def remove() -> None:
+    for name in QUIETED:
+        logger = logging.getLogger(name)
+        for f in [f for f in logger.filters if isinstance(f, DropMessage)]:
+            logger.removeFilter(f)
