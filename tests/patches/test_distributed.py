@@ -96,9 +96,11 @@ def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
     assert saved.ok, saved.output[-3000:]
     stock = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180,
                       patches=["process_group_backend", "from_pretrained_rank_local"])
-    receiver = stock[1]
-    assert not receiver.ok and "No backend type associated with device type cpu" in (receiver.exception or ""), \
-        receiver.output[-3000:]
+    # the exact error on the rank that reaches a collective first; its peer may instead see the connection
+    # close when that rank exits (which one comes first depends on the machine's load)
+    assert not any(r.ok for r in stock)
+    assert any("No backend type associated with device type cpu" in (r.exception or "") for r in stock), \
+        [r.output[-3000:] for r in stock]
     patched = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180)
     for r in patched:
         assert r.ok, r.output[-3000:]
