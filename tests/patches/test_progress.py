@@ -2,6 +2,8 @@
 import argparse
 import logging
 
+import pytest
+
 from sat_patches.patches.progress import CURVE_CSV, CURVE_PNG, progress_line
 from sat_patches.testing import patches_removed
 
@@ -32,3 +34,19 @@ def test_sat_line_replaced_and_curve_written(tmp_path, capsys, caplog):
         _report(tmp_path / "stock", 2)
     assert "elapsed time per iteration (ms): 1320.0" in caplog.text and "ETA" not in caplog.text
     assert not (tmp_path / "stock").exists()
+
+
+@pytest.mark.slow
+def test_third_party_import_noise_is_quiet_unless_disabled():
+    import os
+    import subprocess
+    import sys
+    import sat_patches
+    source = os.path.dirname(os.path.dirname(os.path.abspath(sat_patches.__file__)))
+    code = "import sat_patches, sat, sat.model.finetune.lora2"
+    noise = ("Failed to load CPU gemm_4bit_forward", "Setting accelerator to CPU")
+    for disable, expected in (("", False), ("quiet_third_party", True)):
+        env = dict(os.environ, PYTHONPATH=source, SAT_PATCHES_DISABLE=disable)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert [n in out.stdout + out.stderr for n in noise] == [expected, expected], out.stdout + out.stderr
