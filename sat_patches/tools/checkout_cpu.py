@@ -46,8 +46,10 @@ UNINITIALISED_PREFIXES = ("mixins.mlp.", "mixins.rotary.")
 def tiny_config(kind: str) -> dict:
     """The released ``model_config.json`` of ``kind`` (same keys, same order) with small values: LLaMA
     2x128 (4 heads), vocabulary 1024, EVA 2 layers of width 1792 (16 heads) on 56 px images (16 image
-    tokens). CogAgent keeps its cross encoder as released (upstream builds it from fixed settings,
-    1024 wide), on 112 px cross images."""
+    tokens). CogAgent's cross encoder stays 1024 wide (upstream builds it from fixed settings, and its
+    cross attention takes 1024 features) with ``encoder_args`` asking for 2 layers, on 112 px cross images:
+    upstream's classes ignore ``encoder_args`` and build the released 24 layers (~300M parameters, all
+    trainable in its demo: about 10 GB per CPU rank), classes that honour it build a small one."""
     from sat_patches.cogvlm import UPSTREAM_CONFIGS
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -59,7 +61,7 @@ def tiny_config(kind: str) -> dict:
     config["eva_args"].update(num_layers=2, hidden_size=EVA_OUTPUT_WIDTH, num_attention_heads=16,
                               inner_hidden_size=512, image_size=[56, 56], max_sequence_length=17)
     if kind == "cogagent":
-        config.update(is_decoder=[True] * config["num_layers"], cross_image_pix=112)
+        config.update(is_decoder=[True] * config["num_layers"], cross_image_pix=112, encoder_args={"layers": 2})
     return config
 
 

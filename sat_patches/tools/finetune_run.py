@@ -172,6 +172,12 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     return [deepspeed_command(env, program, train_options(env))]
 
 
+def torchrun() -> List[str]:
+    """torchrun of this interpreter: a ``torchrun`` on PATH may belong to another Python (and another
+    sat_patches) than the one running the script."""
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     work = env["WORK_DIR"]
     py = sys.executable
@@ -181,7 +187,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
-        ["torchrun", "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
         [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
@@ -202,7 +208,7 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
     return [
         [py, "-m", "sat_patches.tools.checkout_cpu", "prepare", *where],
-        ["torchrun", "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind]),
          *train_options(env, **paths)],
         [py, "-m", "sat_patches.tools.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
