@@ -155,7 +155,7 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
     saved = os.listdir(os.path.join(work, "checkpoints", trained, str(iters)))
     assert set(shards) <= set(saved), saved
     merged = os.path.join(work, "checkpoints", "merged_lora_cogvlm56" if kind == "cogvlm" else "merged_lora_cogagent")
-    assert sorted(os.listdir(os.path.join(merged, "1"))) == shards
+    assert sorted(f for f in os.listdir(os.path.join(merged, "1")) if f.startswith("mp_rank_")) == shards
     assert log.count("merge layer 0 lora attention back to linear") >= 2  # the demo's merge_lora ran
     assert os.listdir(os.path.join(work, "merged_mp1", "1")) == ["mp_rank_00_model_states.pt"]
     assert re.search(rf"loaded into the checkout's FineTuneTrain\w+Model: loss [0-9.]+ on CAPTCHA '\w+'", log), log[-3000:]
