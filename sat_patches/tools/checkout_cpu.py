@@ -28,6 +28,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import sys
 from typing import Dict, List
 
@@ -152,6 +153,11 @@ def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: 
     from sat_patches.cogvlm import check_vocab, llama2_tokenizer, make_captcha_dataset, train_tiny_tokenizer
     paths = {"model": os.path.join(workdir, "model"), "tokenizer": os.path.join(workdir, "tokenizer"),
              "train": os.path.join(workdir, "data", "train"), "valid": os.path.join(workdir, "data", "valid")}
+    # an earlier run's merge (perhaps at another MP_SIZE) would be checked instead of this run's
+    for old in [merged_dir(kind, workdir), os.path.join(workdir, "merged_mp1")]:
+        if os.path.isdir(old):
+            print(f"removing the previous run's {old}", flush=True)
+            shutil.rmtree(old)
     train_tiny_tokenizer(paths["tokenizer"], seed=seed)
     train = make_captcha_dataset(paths["train"], n_train, seed=seed)
     labels = [os.path.splitext(os.path.basename(p))[0] for p in train]

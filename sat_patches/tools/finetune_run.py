@@ -227,7 +227,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nSettings and upstream defaults:\n" + "\n".join(
-            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()))
+            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()) +
+            "\nIn a CogVLM checkout with CPU_RANKS set (a CPU smoke test of its demo), the defaults are:\n" +
+            "\n".join(f"  {k}={v}" for k, v in {**CHECKOUT_CPU_DEFAULTS,
+                                                 "WORK_DIR": "./sat_patches_demo/checkout-<kind>"}.items()))
         return 0
     env = settings(dict(os.environ))
     kind, run_mode = env["MODEL_KIND"], mode(env)
