@@ -164,9 +164,13 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_cogvlm_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_path):
+    """With one evaluation at the end: the demo's evaluation step uses its module-level tokenizer, which
+    exists only when the demo runs as ``__main__``."""
     _, script = checkout_with_script(tmp_path, "cogvlm")
-    out = run(script, {"CPU_RANKS": "2"}, cwd=tmp_path, timeout=900)
+    out = run(script, {"CPU_RANKS": "2", "EVAL_INTERVAL": "4", "EXTRA_ARGS": "--eval-iters 1"}, cwd=tmp_path,
+              timeout=900)
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
+    assert re.search(r"validation loss at iteration 4 \| loss: \S+ \| PPL: \S+ acc ", out.stdout + out.stderr)
 
 
 @pytest.mark.slow
