@@ -3,7 +3,8 @@
     python -m sat_patches.tools.finetune_check     # reads the scripts' environment variables
 
 Reads NUM_GPUS_PER_WORKER, MP_SIZE, NNODES, LOCAL_WORLD_SIZE, HOST_FILE, MODEL_TYPE, and
-CPU_RANKS (set for the CPU demo: ranks are processes, not GPUs).
+CPU_RANKS (set for a CPU run: ranks are processes, not GPUs). A GPU run with no GPU to run on gets
+one message naming both ways out: make GPUs visible, or set CPU_RANKS for the CPU run.
 """
 from __future__ import annotations
 
@@ -18,21 +19,11 @@ from typing import List, Optional
 MODEL_HEADS = {
     "cogvlm-base-224": 32, "cogvlm-base-490": 32, "cogvlm-chat-v1.1": 32, "cogvlm-grounding-base": 32,
     "cogvlm-grounding-generalist": 32, "cogagent-chat": 32, "cogagent-vqa": 32,
+    "tiny-cogvlm": 4, "tiny-cogagent": 4,  # the CPU runs' tiny models
 }
 
 
-NO_GPU = ("this run has no GPU ({where}): make the GPUs visible (CUDA_VISIBLE_DEVICES, the driver) and set "
-          "NUM_GPUS_PER_WORKER to their number, or run without GPUs: outside a CogVLM checkout the scripts train a "
-          "tiny model on CPU ranks by themselves.")
-
-
-def _visibility(env: dict) -> str:
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    return (f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else
-            "CUDA_VISIBLE_DEVICES unset, " + ("nvidia-smi lists none" if shutil.which("nvidia-smi") else "no nvidia-smi"))
-
-
-def _int(env: dict, name: str, default: Optional[int], errors: List[str]) -> Optional[int]:
+def _int(env: dict, name: str, default: Optional[int], errors: List[str], minimum: int = 1) -> Optional[int]:
     raw = env.get(name)
     if raw in (None, ""):
         return default
@@ -41,7 +32,7 @@ def _int(env: dict, name: str, default: Optional[int], errors: List[str]) -> Opt
     except ValueError:
         errors.append(f"{name}={raw!r} is not a whole number: set {name} to a positive integer, e.g. {name}={default or 1}.")
         return None
-    if value < 1:
+    if value < minimum:
         errors.append(f"{name}={value} must be at least 1: set {name}={default or 1} or larger.")
         return None
     return value
@@ -80,12 +71,41 @@ def model_heads(env: dict) -> Optional[int]:
     return MODEL_HEADS.get(os.path.basename(source.rstrip("/")))
 
 
+def in_checkout(env: dict) -> Optional[str]:
+    """The path of the checkout's demo when the script sits in a CogVLM checkout's ``finetune_demo/``."""
+    kind = env.get("MODEL_KIND", "cogvlm")
+    demo = os.path.join(env.get("SCRIPT_DIR") or "", f"finetune_{kind}_demo.py")
+    return demo if env.get("SCRIPT_DIR") and os.path.isfile(demo) else None
+
+
+def no_gpu_message(env: dict, per_node: int, visible: Optional[int]) -> str:
+    """One message for a GPU run without a GPU: both ways out, and nothing that contradicts them."""
+    kind = env.get("MODEL_KIND", "cogvlm")
+    script = f"finetune_{kind}.sh"
+    demo = in_checkout(env)
+    cpu_run = (f"this checkout's finetune_demo/{os.path.basename(demo)} trains a tiny {kind} for a few steps"
+               if demo else f"a tiny {kind} trains") + " on 2 CPU ranks at MP_SIZE=2, saves and merges the LoRA"
+    if per_node == 0 and visible:
+        return (f"NUM_GPUS_PER_WORKER=0 asks for no GPU: set NUM_GPUS_PER_WORKER to the number of GPUs to use "
+                f"(this node has {visible}), or, to run on CPU ranks instead, run CPU_RANKS=2 bash {script} "
+                f"({cpu_run}).")
+    where = "CUDA_VISIBLE_DEVICES lists none" if env.get("CUDA_VISIBLE_DEVICES") is not None else \
+        "nvidia-smi lists none" if shutil.which("nvidia-smi") else "no nvidia-smi, no CUDA driver"
+    return (f"no GPU is visible on this node ({where}), so this GPU run cannot start. Either make the GPUs "
+            f"visible (install the driver, check nvidia-smi, set CUDA_VISIBLE_DEVICES) and set NUM_GPUS_PER_WORKER "
+            f"to how many to use, or run on CPU ranks instead: CPU_RANKS=2 bash {script} ({cpu_run}).")
+
+
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")
-    if not cpu and env.get("NUM_GPUS_PER_WORKER", "").strip() == "0":
-        return [NO_GPU.format(where="NUM_GPUS_PER_WORKER=0")]
-    per_node = _int(env, "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER", 8, errors)
+    if cpu:
+        per_node = _int(env, "CPU_RANKS", 2, errors)
+    else:
+        per_node = _int(env, "NUM_GPUS_PER_WORKER", 8, errors, minimum=0)
+        visible = visible_gpus(env) if per_node is not None else None
+        if per_node == 0 or visible == 0:
+            return errors + [no_gpu_message(env, per_node, visible)]
     mp = _int(env, "MP_SIZE", 1, errors)
     nnodes = _int(env, "NNODES", 1, errors)
     _int(env, "MICRO_BATCH", None, errors)
@@ -103,10 +123,7 @@ def check(env: dict) -> List[str]:
         errors.append(f"MP_SIZE={mp} does not divide the {heads} attention heads of {env.get('MODEL_TYPE')}: "
                       f"set MP_SIZE to one of {fits}.")
     if not cpu:
-        visible = visible_gpus(env)
-        if visible == 0:
-            errors.append(NO_GPU.format(where=_visibility(env)))
-        elif visible is not None and per_node > visible:
+        if visible is not None and per_node > visible:
             errors.append(f"NUM_GPUS_PER_WORKER={per_node} but this node has {visible} visible GPU(s): set "
                           f"NUM_GPUS_PER_WORKER={visible} (or make more GPUs visible via CUDA_VISIBLE_DEVICES).")
     lws = env.get("LOCAL_WORLD_SIZE")

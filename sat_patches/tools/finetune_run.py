@@ -1,12 +1,19 @@
 """What ``finetune_examples/finetune_cog{vlm,agent}.sh`` run, from their environment variables.
 
-Three modes, chosen in this order:
-- checkout: the script sits in a CogVLM checkout's ``finetune_demo/`` (upstream's demo is beside it):
-  that demo runs through ``sat_patches.launch`` under DeepSpeed, with upstream's options;
+Four modes, chosen in this order:
+- checkout, CPU ranks (the script sits in a CogVLM checkout's ``finetune_demo/`` and ``CPU_RANKS`` is
+  set): a smoke test of that checkout's own, unchanged demo before paying for GPUs. A tiny checkpoint
+  built with the checkout's ``utils.models`` classes, a local tokenizer and CAPTCHA images are made
+  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (torchrun,
+  gloo) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
+  merged model as upstream's demo does; then the shards are checked and the merged model is reloaded;
+- checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
+  options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
 - GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
   ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
-- CPU demo (no GPU): a tiny randomly initialised model of the same architecture on generated CAPTCHA
-  data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP) and reloaded.
+- CPU demo (no GPU, or ``CPU_RANKS`` set): a tiny randomly initialised model of the same architecture
+  on generated CAPTCHA data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
+  and reloaded.
 
 ``DRY_RUN=1`` prints the commands instead of running them.
 """
@@ -44,6 +51,8 @@ KIND_DEFAULTS = {
 CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "80", "LORA_RANK": "4",
                 "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
                 "CHECKPOINT_ACTIVATIONS": "0"}
+# a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
+CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1"}
 
 
 def settings(environ: Dict[str, str]) -> Dict[str, str]:
@@ -52,11 +61,15 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     if kind not in KIND_DEFAULTS:
         raise SystemExit(f"error: MODEL_KIND={kind!r}: use cogvlm or cogagent")
     env = {**DEFAULTS, **KIND_DEFAULTS[kind], "MODEL_KIND": kind}
-    if mode({**env, **environ}) == "cpu":
+    run_mode = mode({**env, **environ})
+    if run_mode == "cpu":
         env.update(CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}", WORK_DIR=os.path.abspath(f"sat_patches_demo/{kind}"))
+    elif run_mode == "checkout-cpu":
+        env.update(CHECKOUT_CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}",
+                   WORK_DIR=os.path.abspath(f"sat_patches_demo/checkout-{kind}"))
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     if not env.get("TRAINABLE"):
-        env["TRAINABLE"] = "demo" if mode(env) == "checkout" else "lora"
+        env["TRAINABLE"] = "demo" if run_mode.startswith("checkout") else "lora"  # a checkout: its demo's choice
     env["SAT_PATCHES_TRAINABLE"] = env["TRAINABLE"]  # read by the ranks (sat_patches.patches.trainable)
     return env
 
@@ -110,10 +123,16 @@ def run_config(env: Dict[str, str], name: str, save_dir: str) -> str:
     return path
 
 
+def cpu_ranks_set(env: Dict[str, str]) -> bool:
+    return env.get("CPU_RANKS") not in (None, "", "0")
+
+
 def mode(env: Dict[str, str]) -> str:
     kind = env["MODEL_KIND"]
     if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])):
-        return "checkout"
+        return "checkout-cpu" if cpu_ranks_set(env) else "checkout"
+    if cpu_ranks_set(env):
+        return "cpu"
     return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
 
 
@@ -157,6 +176,12 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     return [deepspeed_command(env, program, train_options(env))]
 
 
+def torchrun() -> List[str]:
+    """torchrun of this interpreter: a ``torchrun`` on PATH may belong to another Python (and another
+    sat_patches) than the one running the script."""
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     work = env["WORK_DIR"]
     py = sys.executable
@@ -166,12 +191,32 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
-        ["torchrun", "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
         [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
+    ]
+
+
+def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
+    """Prepare (tiny checkpoint from the checkout's classes, tokenizer, data), train with the checkout's
+    demo on CPU ranks (it merges and saves at the end), then check the shards and reload the merge."""
+    work, py = env["WORK_DIR"], sys.executable
+    checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
+    save = os.path.join(work, "checkpoints")
+    paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
+                 train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"), save=save,
+                 ds_config=run_config(env, "cpu_demo.json", save))
+    where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
+    return [
+        [py, "-m", "sat_patches.tools.checkout_cpu", "prepare", *where],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+         "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind]),
+         *train_options(env, **paths)],
+        [py, "-m", "sat_patches.tools.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
+         "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]],
     ]
 
 
@@ -186,22 +231,38 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__ + "\nSettings and upstream defaults:\n" + "\n".join(
-            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()))
+            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()) +
+            "\nIn a CogVLM checkout with CPU_RANKS set (a CPU smoke test of its demo), the defaults are:\n" +
+            "\n".join(f"  {k}={v}" for k, v in {**CHECKOUT_CPU_DEFAULTS,
+                                                 "WORK_DIR": "./sat_patches_demo/checkout-<kind>"}.items()))
         return 0
     env = settings(dict(os.environ))
     kind, run_mode = env["MODEL_KIND"], mode(env)
-    env.setdefault("MASTER_PORT", "16666" if run_mode != "cpu" else str(free_port()))
+    on_cpu = run_mode in ("cpu", "checkout-cpu")
+    env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
     errors = check(env)
     if errors:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    commands = cpu_commands(env, kind) if run_mode == "cpu" else gpu_commands(env, kind, run_mode == "checkout")
+    cwd = None
+    if run_mode == "cpu":
+        commands = cpu_commands(env, kind)
+    elif run_mode == "checkout-cpu":
+        # the demo saves its merged model under ./checkpoints/: run it in the work directory
+        cwd = env["WORK_DIR"]
+        if env.get("DRY_RUN") != "1":
+            os.makedirs(cwd, exist_ok=True)
+        commands = checkout_cpu_commands(env, kind)
+    else:
+        commands = gpu_commands(env, kind, run_mode == "checkout")
     # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
-    run_env = env if run_mode == "cpu" else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
-    run_env = {k: v for k, v in run_env.items() if not (run_mode == "cpu" and k == "LOCAL_WORLD_SIZE")}
+    run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+    run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
+    if cwd:
+        print(f"+ cd {shlex.quote(cwd)}", flush=True)
     for cmd in commands:
         if "{checkpoint}" in cmd:
             cmd = [latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
@@ -209,7 +270,7 @@ def main(argv=None) -> int:
         print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if env.get("DRY_RUN") == "1":
             continue
-        code = subprocess.call(cmd, env=run_env)
+        code = subprocess.call(cmd, env=run_env, cwd=cwd)
         if code != 0:
             print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
             return code

@@ -76,8 +76,8 @@ def test_in_a_checkout_without_gpus_one_message_names_both_ways_out(tmp_path, en
     out = run(str(demo_dir / "finetune_cogvlm.sh"), dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES=""), cwd=tmp_path)
     errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
-    assert "this run has no GPU" in errors[0] and "make the GPUs visible" in errors[0]
-    assert "train a tiny model on CPU ranks" in errors[0] and "NUM_GPUS_PER_WORKER=8" not in errors[0]
+    assert "make the GPUs visible" in errors[0] and "CPU_RANKS=2 bash finetune_cogvlm.sh" in errors[0]
+    assert "NUM_GPUS_PER_WORKER=8" not in errors[0] and "must be at least" not in errors[0]
 
 
 def test_micro_batch_is_written_into_the_config_the_run_uses(tmp_path):

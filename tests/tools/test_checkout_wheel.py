@@ -1,0 +1,108 @@
+"""From a wheel, in an environment that shares nothing with this repository: the drop-in script in a
+(synthetic) CogVLM checkout names a DeepSpeed config that exists for a GPU run, and with CPU_RANKS=2
+runs the checkout's demo on two CPU ranks at MP=2, saves both shards and runs the demo's merge."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from test_checkout_cpu import assert_checkout_cpu_run_succeeded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OURS = ("sat_patches", "_sat_patches_boot", "__editable__")
+
+
+def _tracked_copy(dest):
+    """The repository's tracked files (what a fresh clone has), copied to ``dest``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, files.split("\0")):
+        if os.path.isfile(os.path.join(ROOT, rel)):
+            os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
+
+
+def _dependencies_without_us(dest):
+    """Symlinks to every entry of this interpreter's site-packages except sat_patches and the ``.pth``
+    start-up files: SAT, torch, DeepSpeed and pip for a fresh virtual environment, no trace of us."""
+    site = sysconfig.get_paths()["purelib"]
+    os.makedirs(dest)
+    for name in os.listdir(site):
+        if not (name.startswith(OURS) or name.endswith(".pth")):
+            os.symlink(os.path.join(site, name), os.path.join(dest, name))
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    """``(python, env)`` of a fresh virtual environment with the project's wheel installed."""
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("needs a git checkout")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src, wheels, deps, venv = tmp / "src", tmp / "wheels", tmp / "deps", tmp / "venv"
+    _tracked_copy(src)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                          str(src)], capture_output=True, text=True, cwd=tmp, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    [wheel] = [str(p) for p in wheels.glob("sat_patches-*.whl")]
+    _dependencies_without_us(str(deps))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "CPU_RANKS", "NUM_GPUS_PER_WORKER",
+                        "MP_SIZE", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=str(deps), PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PATH=os.pathsep.join([str(venv / "bin")] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                          if not os.path.isfile(os.path.join(p, "nvidia-smi"))]))
+    out = subprocess.run([python, "-m", "pip", "install", "--no-deps", wheel], capture_output=True, text=True,
+                         env=env, cwd=tmp, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    where = subprocess.run([python, "-c", "import sat_patches; print(sat_patches.__file__)"], capture_output=True,
+                           text=True, env=env, cwd=tmp, timeout=300)
+    assert where.returncode == 0, where.stderr[-2000:]
+    assert where.stdout.strip().startswith(str(venv)), where.stdout  # the wheel's copy, not the repository's
+    return python, env
+
+
+def _checkout(python, env, dest):
+    """The synthetic checkout (written by the installed package) with only finetune_cogvlm.sh added,
+    written there by ``sat-patches scripts``."""
+    code = ("import sys; from sat_patches.testing.fake_checkout import write_fake_checkout; "
+            "write_fake_checkout(sys.argv[1])")
+    subprocess.run([python, "-c", code, str(dest)], check=True, env=env, timeout=300)
+    scripts = dest.parent / "scripts"
+    out = subprocess.run([python, "-m", "sat_patches", "scripts", str(scripts)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shutil.copy(scripts / "finetune_cogvlm.sh", dest / "finetune_demo")
+    return str(dest / "finetune_demo" / "finetune_cogvlm.sh")
+
+
+@pytest.mark.slow
+def test_wheel_in_a_checkout_names_an_existing_deepspeed_config_with_the_micro_batch(wheel_env, tmp_path):
+    python, env = wheel_env
+    script = _checkout(python, env, tmp_path / "CogVLM")
+    run_env = dict(env, DRY_RUN="1", CUDA_VISIBLE_DEVICES="0,1", NUM_GPUS_PER_WORKER="2", MP_SIZE="2", MICRO_BATCH="2")
+    out = subprocess.run(["bash", script], capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode checkout," in out.stdout
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert f"--module sat_patches.launch {tmp_path}/CogVLM/finetune_demo/finetune_cogvlm_demo.py " in cmd
+    path = re.search(r"--deepspeed_config (\S+)", cmd).group(1)
+    assert os.path.isfile(path), path
+    with open(path) as f:
+        assert json.load(f)["train_micro_batch_size_per_gpu"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_wheel_in_a_checkout_trains_the_demo_on_two_cpu_ranks_and_merges(wheel_env, tmp_path):
+    python, env = wheel_env
+    script = _checkout(python, env, tmp_path / "CogVLM")
+    out = subprocess.run(["bash", script], capture_output=True, text=True, env=dict(env, CPU_RANKS="2"), cwd=tmp_path,
+                         timeout=900)
+    assert re.search(r"\+ \S*/venv/bin/python -m torch.distributed.run --nproc-per-node 2 ", out.stdout), out.stdout[-3000:]
+    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
