@@ -182,3 +182,21 @@ def test_cogagent_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_pa
     out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2"}, cwd=tmp_path, timeout=1500)
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogagent"), "cogagent",
                                       iters=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.skipif(not os.environ.get("SAT_PATCHES_COGVLM_CHECKOUT"),
+                    reason="set SAT_PATCHES_COGVLM_CHECKOUT to a CogVLM checkout (or a fork) to run its own demo")
+def test_a_real_checkouts_cogvlm_demo_trains_on_two_cpu_ranks_and_merges(tmp_path):
+    """The same run on a real checkout: its finetune_demo/ and utils/ are copied (the checkout is left
+    as it is) and the script is added. The checkout's own requirements must be importable."""
+    source = os.environ["SAT_PATCHES_COGVLM_CHECKOUT"]
+    checkout = tmp_path / "CogVLM"
+    for part in ("finetune_demo", "utils"):
+        shutil.copytree(os.path.join(source, part), checkout / part)
+    shutil.copy(SCRIPTS["cogvlm"], checkout / "finetune_demo")
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    out = run(str(checkout / "finetune_demo" / "finetune_cogvlm.sh"), {"CPU_RANKS": "2", "PYTHONPATH": pythonpath},
+              cwd=tmp_path, timeout=900)
+    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
