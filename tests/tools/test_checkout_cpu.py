@@ -200,3 +200,14 @@ def test_a_real_checkouts_cogvlm_demo_trains_on_two_cpu_ranks_and_merges(tmp_pat
     out = run(str(checkout / "finetune_demo" / "finetune_cogvlm.sh"), {"CPU_RANKS": "2", "PYTHONPATH": pythonpath},
               cwd=tmp_path, timeout=900)
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
+
+
+def test_cpu_ranks_choose_the_cpu_run_where_gpus_are_visible(tmp_path):
+    """Outside a checkout (the standalone demo) and inside one: CPU_RANKS set means CPU ranks."""
+    out = run(SCRIPTS["cogvlm"], {"DRY_RUN": "1", "CPU_RANKS": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode cpu, MP_SIZE=2" in out.stdout and "+ deepspeed" not in out.stdout
+    _, script = checkout_with_script(tmp_path, "cogvlm")
+    out = run(script, {"DRY_RUN": "1", "CPU_RANKS": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode checkout-cpu, MP_SIZE=2" in out.stdout and "+ deepspeed" not in out.stdout
