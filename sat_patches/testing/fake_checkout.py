@@ -66,7 +66,6 @@ import os
 import sys
 from functools import partial
 
-import numpy as np
 import torch
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,7 +80,7 @@ from utils.utils import ItemDataset, get_image_processor, llama2_text_processor
 from sat_patches.cogvlm import data_collator
 from sat_patches.finetune import forward_step, get_batch, lm_loss, model_inputs
 
-ENABLE = {enable}
+ENABLE = {enable}  # beyond LoRA (upstream's CogVLM demo also trains EVA MLPs of layers 46-54: none in a tiny EVA)
 
 
 def disable_untrainable_params(self):

@@ -200,15 +200,29 @@ def training_checkpoint(workdir: str) -> str:
 
 
 def _merge_function():
-    """``sat_patches.merge.merge``. Where that module still imports the checkpoint-file helpers under their
-    former name (``checkpoints.checkpoint_files``, now ``checkpoints.files``), the old name is provided."""
+    """``sat_patches.merge.merge``, fit for a checkout's classes: where that module still imports the
+    checkpoint-file helpers under their former name (``checkpoints.checkpoint_files``, now
+    ``checkpoints.files``), the old name is provided; and the arguments it builds the model from also
+    carry the single-process settings (``world_size``, ``rank``, ``local_rank``, ``deepspeed``) that
+    upstream's ``ImageMixin`` reads when it builds EVA."""
     import sat_patches.checkpoints as checkpoints
     from sat_patches.checkpoints import files
     if not hasattr(checkpoints, "checkpoint_files"):
         checkpoints.checkpoint_files = files
         sys.modules.setdefault("sat_patches.checkpoints.checkpoint_files", files)
-    from sat_patches.merge import merge
-    return merge
+    import sat_patches.merge as merging
+    build_args = merging.build_args
+    if not getattr(build_args, "with_run_settings", False):
+        def with_run_settings(*a, **k):
+            """Also the single-process settings upstream's ImageMixin reads (world_size, rank, ...)."""
+            cls, args = build_args(*a, **k)
+            for key, value in (("world_size", 1), ("rank", 0), ("local_rank", 0), ("deepspeed", False)):
+                if not hasattr(args, key):
+                    setattr(args, key, value)
+            return cls, args
+        with_run_settings.with_run_settings = True
+        merging.build_args = with_run_settings
+    return merging.merge
 
 
 @torch.no_grad()
@@ -230,7 +244,11 @@ def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base
         if info["lora_layers"]:
             raise SystemExit(f"error: {merged} still holds LoRA matrices ({info['lora_layers']} layers)")
         _single_process()
-        model, args = cls.from_pretrained(single, None)
+        # the run settings upstream's own inference demo passes (its ImageMixin reads them)
+        run = argparse.Namespace(deepspeed=None, local_rank=0, rank=0, world_size=1, model_parallel_size=1,
+                                 mode="inference", skip_init=True, use_gpu_initialization=False, device="cpu",
+                                 bf16=False, fp16=False)
+        model, args = cls.from_pretrained(single, run)
         model.eval()
         saved = torch.load(os.path.join(single, "1", "mp_rank_00_model_states.pt"), map_location="cpu",
                            mmap=True, weights_only=True)["module"]

@@ -259,6 +259,8 @@ def main(argv=None) -> int:
     # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
     run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
+    if on_cpu:
+        run_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks even where GPUs are visible (CPU_RANKS set)
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
     if cwd:

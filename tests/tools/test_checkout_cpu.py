@@ -182,3 +182,32 @@ def test_cogagent_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_pa
     out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2"}, cwd=tmp_path, timeout=1500)
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogagent"), "cogagent",
                                       iters=2)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.skipif(not os.environ.get("SAT_PATCHES_COGVLM_CHECKOUT"),
+                    reason="set SAT_PATCHES_COGVLM_CHECKOUT to a CogVLM checkout (or a fork) to run its own demo")
+def test_a_real_checkouts_cogvlm_demo_trains_on_two_cpu_ranks_and_merges(tmp_path):
+    """The same run on a real checkout: its finetune_demo/ and utils/ are copied (the checkout is left
+    as it is) and the script is added. The checkout's own requirements must be importable."""
+    source = os.environ["SAT_PATCHES_COGVLM_CHECKOUT"]
+    checkout = tmp_path / "CogVLM"
+    for part in ("finetune_demo", "utils"):
+        shutil.copytree(os.path.join(source, part), checkout / part)
+    shutil.copy(SCRIPTS["cogvlm"], checkout / "finetune_demo")
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    out = run(str(checkout / "finetune_demo" / "finetune_cogvlm.sh"), {"CPU_RANKS": "2", "PYTHONPATH": pythonpath},
+              cwd=tmp_path, timeout=900)
+    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
+
+
+def test_cpu_ranks_choose_the_cpu_run_where_gpus_are_visible(tmp_path):
+    """Outside a checkout (the standalone demo) and inside one: CPU_RANKS set means CPU ranks."""
+    out = run(SCRIPTS["cogvlm"], {"DRY_RUN": "1", "CPU_RANKS": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode cpu, MP_SIZE=2" in out.stdout and "+ deepspeed" not in out.stdout
+    _, script = checkout_with_script(tmp_path, "cogvlm")
+    out = run(script, {"DRY_RUN": "1", "CPU_RANKS": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mode checkout-cpu, MP_SIZE=2" in out.stdout and "+ deepspeed" not in out.stdout
