@@ -9,7 +9,8 @@
 # EXTRA_ARGS="..." adds options; DRY_RUN=1 prints the commands only; --help lists every setting.
 # In a CogVLM checkout's finetune_demo/ it runs upstream's finetune_cogagent_demo.py; elsewhere the
 # standalone CogAgent of sat_patches. Without a GPU it trains a tiny CogAgent on 2 CPU ranks at MP_SIZE=2,
-# merges the LoRA and the model-parallel shards into one MP=1 checkpoint and reloads it.
+# merges the LoRA and the model-parallel shards into one MP=1 checkpoint and reloads it. In a checkout,
+# CPU_RANKS=2 runs the checkout's own demo on 2 CPU ranks: a smoke test before paying for GPUs.
 # Example, 2 GPUs with model parallelism:  NUM_GPUS_PER_WORKER=2 MP_SIZE=2 bash finetune_cogagent.sh
 export MODEL_KIND=cogagent
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"

@@ -148,7 +148,7 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
     """Trained ``iters`` steps, saved one shard per rank, the demo merged and saved, the merge reloads."""
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
-    losses = [float(x) for x in re.findall(r"total loss ([0-9.E+-]+)", log)]
+    losses = [float(x) for x in re.findall(rf"^iteration \d+/{iters} \| loss ([0-9.]+) \|", out.stdout, re.M)]
     assert len(losses) == iters and all(0 < l < 20 for l in losses), losses
     shards = [f"mp_rank_{r:02d}_model_states.pt" for r in range(mp)]
     [trained] = [d for d in os.listdir(os.path.join(work, "checkpoints")) if d.startswith(f"finetune-tiny-{kind}")]
