@@ -62,6 +62,7 @@ def test_tiny_config_has_the_released_keys_and_upstreams_eva_width():
         assert config["vocab_size"] >= 1000 and config["num_layers"] == 2
 
 
+@pytest.mark.slow
 def test_tiny_checkpoint_is_built_with_the_checkouts_classes(tmp_path):
     """In a fresh process (the checkout's utils package must not leak into this one)."""
     checkout = write_fake_checkout(str(tmp_path / "CogVLM"))
