@@ -78,7 +78,6 @@ class StandInFinder(importlib.abc.MetaPathFinder):
         return kernel_spec(fullname)
 
 
-TritonRotaryFinder = StandInFinder  # the name earlier releases installed
 
 
 def install():

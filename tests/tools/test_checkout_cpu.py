@@ -121,7 +121,7 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
     checkout, script = checkout_with_script(tmp_path, kind)
     out = run(script, {"DRY_RUN": "1", "CPU_RANKS": "2"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"mode checkout-cpu, MP_SIZE=2" in out.stdout
+    assert "mode checkout-cpu, MP_SIZE=2" in out.stdout
     work = str(tmp_path / "sat_patches_demo" / f"checkout-{kind}")
     lines = [l for l in out.stdout.splitlines() if l.startswith("+ ")]
     assert lines[0] == f"+ cd {work}"
@@ -159,7 +159,7 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
     assert sorted(f for f in os.listdir(os.path.join(merged, "1")) if f.startswith("mp_rank_")) == shards
     assert log.count("merge layer 0 lora attention back to linear") >= 2  # the demo's merge_lora ran
     assert os.listdir(os.path.join(work, "merged_mp1", "1")) == ["mp_rank_00_model_states.pt"]
-    assert re.search(rf"loaded into the checkout's FineTuneTrain\w+Model: loss [0-9.]+ on CAPTCHA '\w+'", log), log[-3000:]
+    assert re.search(r"loaded into the checkout's FineTuneTrain\w+Model: loss [0-9.]+ on CAPTCHA '\w+'", log), log[-3000:]
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ import runpy, sys
 module, sys.argv = sys.argv[1], sys.argv[1:]
 try:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
-except SystemExit as exc:
-    code = exc.code
+except SystemExit:
+    pass
 print("LOADED " + " ".join(m for m in ("torch", "sat", "deepspeed", "transformers") if m in sys.modules),
       file=sys.stderr)
 """
