@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..core import noise
 from ..core.registry import Patch, SatPatchesWarning, expect_params
+from . import console
 from .ledger import run_directory
 
 CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"
@@ -69,6 +70,7 @@ def _report_iteration_metrics(original):
             original(summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
         finally:
             sat_logger.removeFilter(quiet)
+        console.note_iteration(args, step)
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         scale = (getattr(optimizer, "cur_scale", None) if args.deepspeed else getattr(optimizer, "loss_scale", None)) \
@@ -88,7 +90,7 @@ class QuietThirdPartyPatch(Patch):
     sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
 
     def current(self):
-        return all(noise.installed(name) for name in noise.QUIETED)
+        return noise.is_installed()
 
     def is_applied(self) -> bool:
         return self.current()

@@ -10,7 +10,7 @@ is a 4-byte big-endian length and a pickle.
 
 * zygote -> parent, once: ``("ready", pid, preloaded modules)`` or ``("failed", reason)``.
 * parent -> zygote: ``{"id", "cmd", "env", "cwd", "stdout", "stderr"}`` where ``cmd`` is
-  ``[python, "-m", module, *args]``; the answer is ``("spawned", id, pid)`` or
+  ``[python, "-m", module, *args]`` or ``[python, "-c", code, *args]``; the answer is ``("spawned", id, pid)`` or
   ``("spawn_failed", id, reason)``, and later ``("exit", id, code)`` (by request id: pids get
   reused) with ``code`` from
   :func:`os.waitstatus_to_exitcode` (``-N`` for signal N, as :class:`subprocess.Popen` reports).
@@ -30,6 +30,7 @@ import traceback
 
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
            "sat.model.finetune.lora2")  # SAT's LoRA module is what imports bitsandbytes
+# (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 POLL = 0.02  # seconds between reaps while ranks run
 
 
@@ -70,15 +71,22 @@ def _exit_code_of(exc: SystemExit, stderr) -> int:
     return 1
 
 
-def _run_as_python_m(cmd) -> int:
-    """In a fresh fork: behave like ``python -m module args`` from here on (runpy's own entry for
-    ``-m``); an exception escaping the module is handled as the interpreter would: traceback or
-    ``SystemExit`` code, then non-daemon threads joined and atexit callbacks run."""
+def _run_as_python(cmd) -> int:
+    """In a fresh fork: behave like ``python -m module args`` (runpy's own entry for ``-m``) or
+    ``python -c code args`` from here on; an exception escaping the module is handled as the
+    interpreter would: traceback or ``SystemExit`` code, then non-daemon threads joined and atexit
+    callbacks run."""
     import runpy
-    module, args = cmd[2], list(cmd[3:])
-    sys.argv = ["-m", *args]  # runpy puts the module's file name in argv[0], as -m does
+    flag, target, args = cmd[1], cmd[2], list(cmd[3:])
+    sys.argv = [flag, *args]  # runpy puts the module's file name in argv[0], as -m does
     try:
-        runpy._run_module_as_main(module, alter_argv=True)
+        if flag == "-m":
+            runpy._run_module_as_main(target, alter_argv=True)
+        else:
+            main = sys.modules["__main__"]
+            main.__dict__.clear()
+            main.__dict__.update(__name__="__main__", __builtins__=__builtins__)
+            exec(compile(target, "<string>", "exec"), main.__dict__)
         code = 0
     except SystemExit as exc:
         code = _exit_code_of(exc, sys.stderr)
@@ -115,7 +123,7 @@ def _child(request, fds) -> None:
         sys.path[0] = request["cwd"]  # what ``python -m`` puts first: the working directory
         if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
             sys.modules["numpy"].random.seed()
-        code = _run_as_python_m(request["cmd"])
+        code = _run_as_python(request["cmd"])
     except BaseException:
         try:
             traceback.print_exc()
@@ -130,16 +138,16 @@ def _child(request, fds) -> None:
         os._exit(code & 0xFF)
 
 
-def serve(request_fd: int, reply_fd: int) -> None:
+def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
     try:
-        for name in PRELOAD:
+        for name in preload:
             __import__(name)
         if "sat_patches" in sys.modules:
             raise RuntimeError("the preload imported sat_patches; ranks would not start unpatched")
     except BaseException:
         _send(reply_fd, ("failed", traceback.format_exc()))
         return
-    _send(reply_fd, ("ready", os.getpid(), sorted(PRELOAD)))
+    _send(reply_fd, ("ready", os.getpid(), sorted(preload)))
     live = {}  # pid -> request id
     try:
         _loop(request_fd, reply_fd, live)
@@ -186,4 +194,4 @@ def _loop(request_fd: int, reply_fd: int, live: dict) -> None:
 
 
 if __name__ == "__satp_zygote__":  # run by the loader in zygote.py: argv is [-c, this file, fds]
-    serve(int(sys.argv[2]), int(sys.argv[3]))
+    serve(int(sys.argv[2]), int(sys.argv[3]), *([sys.argv[4].split(",")] if len(sys.argv) > 4 else []))

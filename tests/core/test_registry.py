@@ -10,14 +10,13 @@ import pytest
 import sat_patches
 from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, expect_names, expect_params
 from sat_patches.testing import patches_removed
+from sat_patches.testing.zygote import run_before_sat
 
 STATUS_SNIPPET = "import json, sat_patches; print('STATUS' + json.dumps(sat_patches.status()))"
 
 
 def _status_in_subprocess(code, env=None):
-    import os
-    e = dict(os.environ, **(env or {}))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    out = run_before_sat(code, env)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("STATUS"))
     return {r["name"]: r for r in json.loads(line[len("STATUS"):])}, out
@@ -51,7 +50,7 @@ def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(fir
     code = (f"import sys, sat_patches\n{call}\nassert 'sat' in sys.modules\n"
             "names = sat_patches.names()\n"
             "print('ONCE', len(names) == len(set(names)), 'APPLIED', sat_patches.is_patched('lora_linear'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run_before_sat(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ONCE True APPLIED True" in out.stdout
 
@@ -60,7 +59,7 @@ def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(fir
 def test_unpatch_before_import_sat_leaves_sat_stock():
     code = ("import sat_patches\nsat_patches.unpatch()\nimport sat.arguments\n"
             "print('MARK', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = run_before_sat(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MARK None" in out.stdout
 

@@ -50,3 +50,22 @@ def test_third_party_import_noise_is_quiet_unless_disabled():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert [n in out.stdout + out.stderr for n in noise] == [expected, expected], out.stdout + out.stderr
+
+
+def test_pin_memory_warning_of_cpu_ranks_is_quiet_unless_disabled():
+    import warnings
+    import torch
+    from sat_patches.core import noise
+    from sat_patches.testing import patches_removed
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=True)
+    for removed in (False, True):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            noise.remove(), noise.install()  # the quieting filter first again
+            if removed:
+                with patches_removed(noise.PATCH_NAME):
+                    list(loader)
+            else:
+                list(loader)
+        pinned = [w for w in seen if "pin_memory" in str(w.message)]
+        assert bool(pinned) == (removed and not torch.cuda.is_available()), [str(w.message) for w in seen]

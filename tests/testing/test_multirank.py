@@ -136,3 +136,19 @@ def test_an_import_time_environment_gets_a_fresh_process_that_honours_it():
     assert r.ok, r.output[-3000:]
     assert not r.forked and "PYTHONHASHSEED" in r.fresh_reason
     assert r.stdout.endswith("out fresh rank 0\n") and r.result["session_leader"]
+
+
+def test_code_before_sat_runs_where_neither_sat_nor_sat_patches_is_imported(tmp_path, monkeypatch):
+    code = ("import os, sys\n"
+            "print('MODULES', [m in sys.modules for m in ('sat', 'sat_patches', 'torch')], os.environ['MARK'],"
+            " os.getcwd(), sys.argv)\n"
+            "sys.stderr.write('to stderr')\n"
+            "raise SystemExit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    out = zygote.run_before_sat(code, {"MARK": "x1"})
+    assert out.returncode == 3 and out.stderr == "to stderr"
+    forked = zygote.failure(zygote.BEFORE_SAT) is None
+    # forked from the server: its third-party imports are there, SAT and sat_patches are not
+    assert f"MODULES [False, False, {forked}] x1 {tmp_path} ['-c']" in out.stdout
+    assert zygote.run_before_sat("import sat_patches, sat; print(sat_patches.is_patched('lora_linear'))"
+                                 ).stdout.strip() == "True"

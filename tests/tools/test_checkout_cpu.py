@@ -76,19 +76,22 @@ experts = [k for k in state if k.startswith(("mixins.mlp.", "mixins.rotary.")) a
 assert experts and all(0.01 < float(state[k].std()) < 0.03 for k in experts), experts
 assert all(torch.isfinite(v).all() for v in state.values())
 print("OK", len(state))
+# the synthetic checkout refuses an EVA width its image projector cannot take, as upstream's would fail
+build_tiny_checkpoint.__globals__["tiny_config"] = lambda k, f=tiny_config: {{**f(k), "eva_args": {{**f(k)["eva_args"], "hidden_size": 64}}}}
+try:
+    build_tiny_checkpoint({checkout!r}, "cogvlm", {str(tmp_path / 'narrow')!r})
+except BaseException as exc:  # noqa: B036 (a SystemExit with the message counts as refused)
+    print("REFUSED", exc)
+else:
+    print("ACCEPTED")
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout
     with open(tmp_path / "model" / "model_config.json") as f:
         assert json.load(f)["eva_args"]["hidden_size"] == 1792
-    # the synthetic checkout refuses an EVA width its image projector cannot take, as upstream's would fail
-    wrong = probe.replace('build_tiny_checkpoint(', 'build_tiny_checkpoint.__globals__["tiny_config"] = '
-                          'lambda k, f=tiny_config: {**f(k), "eva_args": {**f(k)["eva_args"], "hidden_size": 64}}\n'
-                          'info = build_tiny_checkpoint(', 1)
-    out = subprocess.run([sys.executable, "-c", wrong], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode != 0 and "keep eva_args.hidden_size 1792" in out.stderr
+    assert "REFUSED" in out.stdout and "keep eva_args.hidden_size 1792" in out.stdout + out.stderr, out.stdout[-2000:]
 
 
 @pytest.mark.parametrize("env", [{}, {"NUM_GPUS_PER_WORKER": "0"}, {"CUDA_VISIBLE_DEVICES": ""},
@@ -160,18 +163,6 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
     assert log.count("merge layer 0 lora attention back to linear") >= 2  # the demo's merge_lora ran
     assert os.listdir(os.path.join(work, "merged_mp1", "1")) == ["mp_rank_00_model_states.pt"]
     assert re.search(r"loaded into the checkout's FineTuneTrain\w+Model: loss [0-9.]+ on CAPTCHA '\w+'", log), log[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_cogvlm_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_path):
-    """With one evaluation at the end: the demo's evaluation step uses its module-level tokenizer, which
-    exists only when the demo runs as ``__main__``."""
-    _, script = checkout_with_script(tmp_path, "cogvlm")
-    out = run(script, {"CPU_RANKS": "2", "EVAL_INTERVAL": "4", "EXTRA_ARGS": "--eval-iters 1"}, cwd=tmp_path,
-              timeout=900)
-    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
-    assert re.search(r"validation loss at iteration 4 \| loss: \S+ \| PPL: \S+ acc ", out.stdout + out.stderr)
 
 
 @pytest.mark.slow

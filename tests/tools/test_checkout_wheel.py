@@ -100,9 +100,13 @@ def test_wheel_in_a_checkout_names_an_existing_deepspeed_config_with_the_micro_b
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_wheel_in_a_checkout_trains_the_demo_on_two_cpu_ranks_and_merges(wheel_env, tmp_path):
+    """With one evaluation at the end: the demo's evaluation step uses its module-level tokenizer, which
+    exists only when the demo runs as ``__main__``. (The same run from this checkout's code would prove
+    nothing more: this one is the user's path.)"""
     python, env = wheel_env
     script = _checkout(python, env, tmp_path / "CogVLM")
-    out = subprocess.run(["bash", script], capture_output=True, text=True, env=dict(env, CPU_RANKS="2"), cwd=tmp_path,
-                         timeout=900)
+    run_env = dict(env, CPU_RANKS="2", EVAL_INTERVAL="4", EXTRA_ARGS="--eval-iters 1")
+    out = subprocess.run(["bash", script], capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=900)
     assert re.search(r"\+ \S*/venv/bin/python -m torch.distributed.run --nproc-per-node 2 ", out.stdout), out.stdout[-3000:]
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
+    assert re.search(r"validation loss at iteration 4 \| loss: \S+ \| PPL: \S+ acc ", out.stdout + out.stderr)

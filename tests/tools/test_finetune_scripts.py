@@ -136,6 +136,7 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     losses = [float(loss) for _, loss in steps]
     assert [int(i) for i, _ in steps] == list(range(2, 21, 2)) and sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
     assert "elapsed time per iteration" not in log  # SAT's long line is replaced, not repeated
+    assert "time (ms)" not in log and " ....... " not in log and len(out.stdout.splitlines()) < 100  # readable
     work = tmp_path / "sat_patches_demo" / kind
     [run_dir] = list((work / "checkpoints").iterdir())
     assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
@@ -148,5 +149,7 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     with open(run_dir / "loss_curve.csv") as f:  # the curve beside the memory ledger, drawn as it grows
         assert [round(float(r.split(",")[1]), 4) for r in f.read().split()[1:]] == losses
     assert (run_dir / "loss_curve.png").stat().st_size > 10_000
+    assert "train_iters = 20" in (run_dir / "arguments.txt").read_text()  # SAT's argument dump, kept
+    assert len((run_dir / "step_times.csv").read_text().splitlines()) == 11  # and its timer lines
     if kind == "cogvlm":
         assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")   # the demo's memory ledger

@@ -1,0 +1,112 @@
+"""A run's console says what changes; SAT's bulk diagnostics go into files of the run directory.
+
+During ``training_main`` SwissArmyTransformer 0.4.12 prints, on rank 0, every argument (about 120
+lines, ``print_args``), and per log interval a ``time (ms) | forward ... | backward ...`` line
+(``Timers.log``) and, once, a CUDA memory line (``report_memory``) that reads all zeros on a CPU
+rank. Between them the few lines a user watches (progress, validation, saves) are hard to find.
+Here, when the run has a directory (``--save``, or ``SAT_PATCHES_LEDGER_DIR``):
+
+* the arguments go to ``arguments.txt`` there and the console gets one line naming it;
+* the interval's timer values go to ``step_times.csv`` there (iteration, then milliseconds per
+  timer), not the console;
+* the memory line is printed only where CUDA is present.
+
+Without a run directory SAT prints as before. ``SAT_PATCHES_DISABLE`` with a patch's name
+(``sat_console_to_files``, ``timers_to_step_times``, ``memory_report_cuda_only``) brings its lines back.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..core.registry import Patch, expect_params
+from .ledger import run_directory
+
+ARGUMENTS_TXT, STEP_TIMES_CSV = "arguments.txt", "step_times.csv"
+
+
+class _Run:
+    """The directory and iteration of the run being logged (set where SAT hands us ``args``)."""
+    directory = None
+    iteration = None
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def write_arguments(args, path: str) -> None:
+    with open(path, "w") as f:
+        for name, value in vars(args).items():
+            f.write(f"{name} = {value!r}\n")
+
+
+def _print_args(original):
+    @functools.wraps(original)
+    def print_args(args):
+        run_dir = run_directory(args)
+        _Run.directory, _Run.iteration = run_dir, getattr(args, "iteration", 0)
+        if not run_dir or getattr(args, "save_args", False):  # --save-args: SAT's own copy, as asked
+            return original(args)
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, ARGUMENTS_TXT)
+        write_arguments(args, path)
+        if _rank0():
+            print(f"arguments: {len(vars(args))} settings in {path}", flush=True)
+    return print_args
+
+
+def record_times(run_dir: str, iteration, times: dict) -> None:
+    path = os.path.join(run_dir, STEP_TIMES_CSV)
+    fresh = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f)
+        if fresh:
+            writer.writerow(["iteration", *[f"{name}_ms" for name in times]])
+        writer.writerow([iteration, *[f"{ms:.2f}" for ms in times.values()]])
+
+
+def _timers_log(original):
+    @functools.wraps(original)
+    def log(self, names, normalizer=1.0, reset=True):
+        if not _Run.directory:
+            return original(self, names, normalizer, reset)
+        assert normalizer > 0.0
+        # every rank reads (and resets) its timers, as SAT's log does; rank 0 writes them down
+        times = {name: self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer
+                 for name in names if name in self.timers}
+        if _rank0():
+            record_times(_Run.directory, _Run.iteration, times)
+    return log
+
+
+def note_iteration(args, step) -> None:
+    """Called with each progress line: the iteration the next timer row belongs to."""
+    _Run.directory, _Run.iteration = run_directory(args) or _Run.directory, step
+
+
+def _report_memory(original):
+    @functools.wraps(original)
+    def report_memory(name):
+        if torch.cuda.is_available():
+            return original(name)
+    return report_memory
+
+
+PATCHES = [
+    Patch("sat_console_to_files", "sat.training.deepspeed_training:print_args", _print_args,
+          answers="SAT prints ~120 argument lines at the start of every run; here they go to arguments.txt in "
+                  "the run directory and the console gets one line",
+          expect=expect_params("args")),
+    Patch("timers_to_step_times", "sat.training.utils:Timers.log", _timers_log,
+          answers="SAT prints a 'time (ms) | forward ...' line per log interval between the progress lines; here "
+                  "the values go to step_times.csv in the run directory",
+          expect=expect_params("self", "names", "normalizer", "reset")),
+    Patch("memory_report_cuda_only", "sat.training.deepspeed_training:report_memory", _report_memory,
+          answers="SAT's CUDA memory line reads all zeros on a CPU rank; printed only where CUDA is present",
+          expect=expect_params("name")),
+]
