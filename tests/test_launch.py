@@ -15,6 +15,7 @@ print("APPLIED", all(r["status"] == "applied" for r in sat_patches.status()))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_launch_runs_script_as_main_with_patches(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

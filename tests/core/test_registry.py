@@ -31,6 +31,7 @@ def test_every_patch_applied_in_either_import_order(order):
     assert not not_applied, not_applied
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_alone_costs_no_sat_and_patches_go_on_when_sat_is_imported():
     code = ("import sys, sat_patches\n"
             "print('BEFORE', sorted(m for m in ('torch', 'sat', 'deepspeed') if m in sys.modules))\n"

@@ -131,6 +131,7 @@ def test_callers_can_ask_for_fresh_processes(monkeypatch):
     assert "python -m" in reason
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_an_import_time_environment_gets_a_fresh_process_that_honours_it():
     [r] = run_ranks(report, 1, args=("fresh",), timeout=180, env={"PYTHONHASHSEED": "0"})
     assert r.ok, r.output[-3000:]
@@ -138,6 +139,7 @@ def test_an_import_time_environment_gets_a_fresh_process_that_honours_it():
     assert r.stdout.endswith("out fresh rank 0\n") and r.result["session_leader"]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_code_before_sat_runs_where_neither_sat_nor_sat_patches_is_imported(tmp_path, monkeypatch):
     code = ("import os, sys\n"
             "print('MODULES', [m in sys.modules for m in ('sat', 'sat_patches', 'torch')], os.environ['MARK'],"
