@@ -107,6 +107,11 @@ def build_args(config: dict, dtype: torch.dtype, imports=()):
     args.skip_init, args.use_gpu_initialization, args.mode = True, False, "inference"
     args.fp16, args.bf16 = dtype == torch.float16, dtype == torch.bfloat16
     args.device = "cpu"
+    # the single-process settings a training run's args carry, which some mixins read when they build
+    # (upstream CogVLM's ImageMixin builds EVA from them)
+    for key, value in (("world_size", 1), ("rank", 0), ("local_rank", 0), ("deepspeed", False)):
+        if not hasattr(args, key):
+            setattr(args, key, value)
     return cls, args
 
 

@@ -199,35 +199,9 @@ def training_checkpoint(workdir: str) -> str:
     return max(runs, key=os.path.getmtime)
 
 
-def _merge_function():
-    """``sat_patches.merge.merge``, fit for a checkout's classes: where that module still imports the
-    checkpoint-file helpers under their former name (``checkpoints.checkpoint_files``, now
-    ``checkpoints.files``), the old name is provided; and the arguments it builds the model from also
-    carry the single-process settings (``world_size``, ``rank``, ``local_rank``, ``deepspeed``) that
-    upstream's ``ImageMixin`` reads when it builds EVA."""
-    import sat_patches.checkpoints as checkpoints
-    from sat_patches.checkpoints import files
-    if not hasattr(checkpoints, "checkpoint_files"):
-        checkpoints.checkpoint_files = files
-        sys.modules.setdefault("sat_patches.checkpoints.checkpoint_files", files)
-    import sat_patches.merge as merging
-    build_args = merging.build_args
-    if not getattr(build_args, "with_run_settings", False):
-        def with_run_settings(*a, **k):
-            """Also the single-process settings upstream's ImageMixin reads (world_size, rank, ...)."""
-            cls, args = build_args(*a, **k)
-            for key, value in (("world_size", 1), ("rank", 0), ("local_rank", 0), ("deepspeed", False)):
-                if not hasattr(args, key):
-                    setattr(args, key, value)
-            return cls, args
-        with_run_settings.with_run_settings = True
-        merging.build_args = with_run_settings
-    return merging.merge
-
-
 @torch.no_grad()
 def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base", max_length: int = 80) -> dict:
-    merge = _merge_function()
+    from sat_patches.merge import merge
     from sat_patches.finetune import lm_loss, model_inputs
     trained = training_checkpoint(workdir)
     _expect_shards("the training checkpoint", trained, mp)
