@@ -1,0 +1,44 @@
+"""The README's recommended-settings table is what `sat-patches plan` recommends, row by row."""
+import os
+import re
+
+import pytest
+
+from sat_patches.tools import plan
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+MODELS = {"CogVLM": "cogvlm-base-490", "CogAgent": "cogagent-chat"}
+
+
+def table_rows():
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    header = "| model | TRAINABLE | GPUs | MP_SIZE | DS_CONFIG | micro-batch |"
+    start = text.index(header)
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def recommended(model, train, gpus, mem):
+    config = plan.resolve_model(model)
+    best = plan.recommend(plan.options(config, gpus, mem, train=train, seq_len=plan.default_seq_len(config)))
+    s = best.estimate.setup
+    return s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / plan.GB
+
+
+@pytest.mark.parametrize("row", table_rows(), ids=lambda r: "-".join(r[:3]).replace(" ", ""))
+def test_row_is_the_plans_recommendation(row):
+    model, train, gpus, mp, ds_config, micro_batch, per_gpu = row[:7]
+    low, high, mem = re.fullmatch(r"(\d+)(?:–(\d+))? × (\d+) GB", gpus).groups()
+    counts = [int(low)] + ([int(high)] if high else [])
+    batches = [int(b) for b in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", micro_batch)]
+    gb = [float(x) for x in per_gpu.split("–")]
+    for i, n in enumerate(counts):
+        got = recommended(MODELS[model], train, n, float(mem))
+        want_batch = batches[i] if len(batches) == len(counts) else batches[0]
+        assert got[:3] == (int(mp), ds_config.strip("`"), want_batch), (n, got)
+        assert min(gb) - 0.6 <= got[3] <= max(gb) + 0.6, (n, got)
