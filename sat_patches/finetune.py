@@ -244,7 +244,8 @@ def verify(argv) -> int:
     p.add_argument("--version", default="base")
     p.add_argument("--tolerance", type=float, default=1e-4)
     a = p.parse_args(argv)
-    probe = torch.load(a.probe)
+    from .checkpoints import safe_load
+    probe = safe_load.load(a.probe)
     model, args = model_class_for(a.kind).from_pretrained(a.merged, None)
     model.eval()
     args.max_length = a.max_length

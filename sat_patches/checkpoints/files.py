@@ -14,6 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from . import safe_load
+
 REQUIRED_CONFIG = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
@@ -37,10 +39,12 @@ class Checkpoint:
         return len(self.files)
 
     def open(self, shard: int) -> dict:
-        """The shard's saved dict, memory-mapped: tensors are read only when used. (Unpickled in full,
-        as SAT does: SAT/DeepSpeed checkpoints hold numpy RNG states that weights_only=True refuses.)"""
+        """The shard's saved dict, memory-mapped: tensors are read only when used. Unpickled with
+        ``weights_only=True`` and the types SAT/DeepSpeed saves hold (:mod:`.safe_load`)."""
         try:
-            return torch.load(self.files[shard], map_location="cpu", mmap=True, weights_only=False)
+            return safe_load.load(self.files[shard], map_location="cpu", mmap=True)
+        except safe_load.UnsafeCheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"cannot read checkpoint file '{self.files[shard]}' ({exc}): it is "
                                   f"damaged or incomplete; copy or download it again") from exc

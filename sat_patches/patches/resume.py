@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoints import safe_load
 from ..core.registry import Patch, SatPatchesWarning, expect_names
 
 
@@ -117,7 +118,8 @@ def _load_optimizer(engine, args, states: dict) -> bool:
         configured = zero_config.load_from_fp32_weights
         zero_config.load_from_fp32_weights = True
         try:
-            return bool(engine._load_zero_checkpoint(args.load, str(args.iteration), load_optimizer_states=True))
+            with safe_load.deepspeed_loads_safely(engine):
+                return bool(engine._load_zero_checkpoint(args.load, str(args.iteration), load_optimizer_states=True))
         finally:
             zero_config.load_from_fp32_weights = configured
     saved = states.get("optimizer")

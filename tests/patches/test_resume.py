@@ -26,6 +26,7 @@ BASE = ["--model-parallel-size", "2", "--mode", "pretrain", "--train-iters", "8"
 
 def train_stop_resume(root):
     import glob
+    import torch
     from sat_patches.testing import patches_removed, tiny_lora
 
     def losses(tag, extra, removed=()):
@@ -64,7 +65,35 @@ def train_stop_resume(root):
     out["fp32_full"] = losses("fp32-full", fp32 + ["--save", os.path.join(root, "fp32-full")])
     out["fp32_resumed"] = losses("fp32-resumed", fp32 + ["--load", stopped("fp32-stop", fp32),
                                                          "--save", os.path.join(root, "fp32-resumed")])
+
+    # every global the real saves above refer to beyond torch's own: what safe loading allows
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+    saved = glob.glob(os.path.join(root, "**", "*.pt"), recursive=True)
+    out["unsafe_globals"] = sorted({name for f in saved for name in get_unsafe_globals_in_checkpoint(f)})
+
+    # an optimizer shard carrying a pickle payload: resume refuses it before anything of it runs
+    from sat_patches.checkpoints import safe_load
+    planted = stopped("stop-payload", bf16)
+    rank = int(os.environ["RANK"])
+    shard = os.path.join(planted, "4", f"bf16_zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt")
+    state = torch.load(shard, weights_only=False)
+    state["payload"] = Payload(os.path.join(root, f"payload-ran-{rank}"))
+    torch.save(state, shard)
+    try:
+        losses("payload", bf16 + ["--load", planted, "--save", os.path.join(root, "payload")])
+        out["payload"] = None
+    except safe_load.UnsafeCheckpointError as exc:
+        out["payload"] = str(exc)
+    out["payload_ran"] = os.path.exists(os.path.join(root, f"payload-ran-{rank}"))
     return out
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 def _gap(resumed, full):
@@ -102,3 +131,17 @@ def test_without_each_patch_the_resumed_losses_differ(runs, variant):
     uninterrupted run's by far more than the tolerance above."""
     for rank in runs:
         assert _gap(rank[variant], rank["full"]) > 1e-3, (variant, rank[variant], rank["full"])
+
+
+@pytest.mark.slow
+def test_real_saves_need_only_the_allow_list_and_a_payload_in_an_optimizer_shard_is_refused(runs):
+    from sat_patches.checkpoints import safe_load
+    import numpy
+    numpy_core = "numpy._core" if int(numpy.__version__.split(".")[0]) >= 2 else "numpy.core"
+    for rank in runs:
+        # every saved file (ZeRO-2 bf16 and fp32 without ZeRO, LoRA, MP=2, RNG states) was loaded safely by the
+        # resumes above; these are exactly the types it needed, and exactly the allow-list for this numpy
+        assert rank["unsafe_globals"] == sorted(
+            n for n in safe_load.ALLOWED if not n.startswith(("numpy.core", "numpy._core")) or n.startswith(numpy_core))
+        assert rank["payload"] and "system" in rank["payload"] and "optim_states.pt" in rank["payload"]
+        assert not rank["payload_ran"]

@@ -1,0 +1,120 @@
+"""Opening a checkpoint file never runs code from it.
+
+A ``.pt`` file is a pickle: unpickled in full (``weights_only=False``) it can call any function it
+names, so a checkpoint shared by someone else can run their code on the machine that loads it.
+torch's ``weights_only=True`` unpickler builds only tensors, containers and numbers, plus the types
+it is told are safe. SAT and DeepSpeed checkpoints need exactly these (found with
+``torch.serialization.get_unsafe_globals_in_checkpoint`` on saves of SAT's ``training_main`` with
+RNG states on, ZeRO stages 0 and 2, fp32/bf16, LoRA, model-parallel size 1 and 2):
+
+* ``mp_rank_XX_model_states.pt``: numpy's RNG state, an array (``numpy.ndarray``, rebuilt through
+  numpy's ``_reconstruct``) of ``numpy.dtype``;
+* ``*_optim_states.pt`` (ZeRO): DeepSpeed's ``LossScaler``, ``ZeroStageEnum`` and
+  ``fragment_address``.
+
+A file that names anything else is refused before any of it is unpickled, with the names and the
+opt-in: ``SAT_PATCHES_TRUST_CHECKPOINTS=1`` loads files in full, as SAT and DeepSpeed do.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Callable, List, Optional
+
+import torch
+
+TRUST_ENV = "SAT_PATCHES_TRUST_CHECKPOINTS"
+
+# "module:qualified name" of every global a SAT/DeepSpeed save refers to beyond torch's own
+ALLOWED = (
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy._core.multiarray._reconstruct",   # numpy >= 2
+    "numpy.core.multiarray._reconstruct",    # numpy < 2
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that names code it would run when unpickled."""
+
+
+def trusted() -> bool:
+    return os.environ.get(TRUST_ENV, "") not in ("", "0")
+
+
+def _resolve(name: str):
+    module, _, attr = name.rpartition(".")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError:  # numpy's other major version, or no DeepSpeed: nothing of it to allow
+        return None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def allowed_globals() -> List[object]:
+    """The objects of :data:`ALLOWED` that exist here (numpy's dtype classes too: numpy >= 1.25
+    pickles a dtype as its class)."""
+    found = [obj for obj in map(_resolve, ALLOWED) if obj is not None]
+    import numpy
+    dtypes = getattr(numpy, "dtypes", None)
+    if dtypes is not None:
+        found += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return found
+
+
+def _allowed_names() -> set:
+    return {f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', ''))}"
+            for o in allowed_globals()} | set(ALLOWED)
+
+
+def check(path: str) -> None:
+    """Refuse ``path`` when its pickle names a global outside the allow-list (read, not run)."""
+    if trusted():
+        return
+    scan: Optional[Callable] = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if scan is None:
+        raise UnsafeCheckpointError(
+            f"torch {torch.__version__} cannot check '{path}' for code before loading it (torch >= 2.5 can): "
+            f"upgrade torch, or set {TRUST_ENV}=1 if you trust whoever made this file (it is then unpickled in "
+            f"full, which runs any code it names)")
+    unknown = sorted(set(scan(path)) - _allowed_names())
+    if unknown:
+        raise UnsafeCheckpointError(
+            f"'{path}' names {', '.join(unknown)}, which a SAT or DeepSpeed checkpoint does not hold; unpickling "
+            f"it could run code. Not loaded. Set {TRUST_ENV}=1 only if you trust whoever made this file: it is "
+            f"then unpickled in full, and anything it names runs on this machine")
+
+
+def load(path: str, map_location="cpu", mmap: bool = False):
+    """``torch.load`` of a checkpoint file with ``weights_only=True`` and the SAT/DeepSpeed
+    allow-list (``mmap``: tensors are read when used); in full only when :func:`trusted`."""
+    check(path)
+    if trusted():
+        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
+    with torch.serialization.safe_globals(allowed_globals()):
+        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+
+
+@contextlib.contextmanager
+def deepspeed_loads_safely(engine):
+    """DeepSpeed's checkpoint engine unpickles in full (``weights_only=False``); inside this block
+    the engine's loads go through :func:`load`."""
+    checkpoint_engine = engine.checkpoint_engine
+    own = vars(checkpoint_engine).get("load")
+
+    def safe(path, map_location=None, *args, **kwargs):
+        return load(path, map_location=map_location)
+    checkpoint_engine.load = safe
+    try:
+        yield
+    finally:
+        if own is None:
+            del checkpoint_engine.load
+        else:
+            checkpoint_engine.load = own

@@ -1,0 +1,92 @@
+"""A checkpoint with a pickle payload: no loading path of sat_patches runs it; each names what it refused."""
+import os
+
+import pytest
+import torch
+
+from sat_patches.checkpoints import safe_load
+from sat_patches.testing import run_ranks
+
+
+class Payload:
+    """Unpickled in full, this runs ``touch <marker>`` (what a malicious file would do, harmlessly)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(shard_file, marker):
+    state = torch.load(shard_file, weights_only=False)
+    state["payload"] = Payload(marker)
+    torch.save(state, shard_file)
+
+
+def tiny_checkpoint(path, marker):
+    from sat_patches.testing import expert_llama as el
+    cfg = el.config(num_layers=1, hidden_size=32, inner_hidden_size=64)
+    model = el.model_class()(el.build_args(cfg))
+    el.write_checkpoint(model, cfg, str(path))
+    plant(os.path.join(str(path), "1", "mp_rank_00_model_states.pt"), marker)
+    return cfg
+
+
+def _refused(exc_info, marker):
+    message = str(exc_info.value)
+    assert "system" in message and safe_load.TRUST_ENV in message, message  # names the type and the opt-in
+    assert not os.path.exists(marker)
+
+
+def test_from_pretrained_at_mp1_refuses_and_trusting_runs_it(tmp_path, monkeypatch):
+    from sat_patches.testing import expert_llama as el
+    marker = str(tmp_path / "ran")
+    cfg = tiny_checkpoint(tmp_path / "ckpt", marker)
+    with pytest.raises(safe_load.UnsafeCheckpointError) as exc:
+        el.model_class().from_pretrained(str(tmp_path / "ckpt"), el.build_args(cfg))
+    _refused(exc, marker)
+    monkeypatch.setenv(safe_load.TRUST_ENV, "1")  # the payload is real: trusted, the file runs it
+    el.model_class().from_pretrained(str(tmp_path / "ckpt"), el.build_args(cfg))
+    assert os.path.exists(marker)
+
+
+def test_merge_refuses_before_writing_anything(tmp_path):
+    from sat_patches.merge import merge
+    marker = str(tmp_path / "ran")
+    tiny_checkpoint(tmp_path / "ckpt", marker)
+    with pytest.raises(safe_load.UnsafeCheckpointError) as exc:
+        merge(str(tmp_path / "ckpt"), str(tmp_path / "merged"), imports=("sat_patches.testing.expert_llama",))
+    _refused(exc, marker)
+    assert not (tmp_path / "merged").exists()
+
+
+def _load_at_mp2(ckpt):
+    import torch.distributed as dist
+    from sat import mpu
+    from sat_patches.checkpoints.files import read_model_config
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(2)
+    try:
+        el.model_class().from_pretrained(ckpt, el.build_args(read_model_config(ckpt), model_parallel_size=2))
+    except safe_load.UnsafeCheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.multirank
+def test_from_pretrained_at_mp2_refuses_on_every_rank(tmp_path):
+    marker = str(tmp_path / "ran")
+    tiny_checkpoint(tmp_path / "ckpt", marker)
+    results = run_ranks(_load_at_mp2, 2, args=(str(tmp_path / "ckpt"),), timeout=120)
+    for r in results:
+        assert r.result and "system" in r.result, r.output[-3000:]
+    assert not os.path.exists(marker)
+
+
+def test_untrusted_old_torch_cannot_check_and_says_so(tmp_path, monkeypatch):
+    torch.save({"module": {}}, tmp_path / "f.pt")
+    monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint")
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="upgrade torch, or set SAT_PATCHES_TRUST_CHECKPOINTS=1"):
+        safe_load.load(str(tmp_path / "f.pt"))
