@@ -73,10 +73,12 @@ def find_checkpoint(load_path: str, specific_iteration: Optional[int] = None) ->
         raise CheckpointError(f"'{folder}' holds no mp_rank_XX_model_states.pt (it has: "
                               f"{', '.join(sorted(os.listdir(folder))) or 'nothing'}): the checkpoint is "
                               f"incomplete, or was saved under ZeRO-3 (z3_rank_* files)")
-    missing = sorted(set(range(max(shards) + 1)) - set(shards))
+    size, source = expected_mp_size(load_path, folder, max(shards) + 1)
+    missing = sorted(set(range(size)) - set(shards))
     if missing:
-        raise CheckpointError(f"'{folder}' lacks model-parallel shard(s) {missing} of {max(shards) + 1}: "
-                              f"copy the missing mp_rank_XX_model_states.pt files")
+        names = ", ".join(f"mp_rank_{i:02d}_model_states.pt" for i in missing)
+        raise CheckpointError(f"'{folder}' lacks model-parallel shard(s) {missing} of {size} ({source}): "
+                              f"copy the missing {names}")
     files = [shards[i] for i in range(len(shards))]
     for f in files:
         size = os.path.getsize(f)
@@ -84,6 +86,46 @@ def find_checkpoint(load_path: str, specific_iteration: Optional[int] = None) ->
             raise CheckpointError(f"'{f}' is truncated or not a torch checkpoint ({size} bytes, no zip "
                                   f"directory at its end): copy or download it again")
     return Checkpoint(load_path, iteration, release, files)
+
+
+_OPTIM_MP = re.compile(r"_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def expected_mp_size(load_path: str, folder: str, from_shards: int) -> Tuple[int, str]:
+    """How many model-parallel shards the iteration should hold, and what says so: the highest
+    shard present, the ``model_parallel_size`` of ``model_config.json`` (what the saving run had), and
+    the model-parallel ranks named by its optimizer shards; the largest wins (a missing last shard
+    leaves no gap among the others)."""
+    size, source = from_shards, "the highest shard present"
+    try:
+        with open(os.path.join(load_path, "model_config.json"), encoding="utf-8") as f:
+            declared = json.load(f).get("model_parallel_size")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared > size:
+        size, source = declared, f"model_config.json says model_parallel_size {declared}"
+    optim = [int(m.group(1)) + 1 for f in os.listdir(folder) if (m := _OPTIM_MP.search(f))]
+    if optim and max(optim) > size:
+        size, source = max(optim), f"optimizer shards of model-parallel rank {max(optim) - 1} are there"
+    return size, source
+
+
+def missing_optimizer_shards(folder: str, dp_size: int, mp_size: int) -> List[str]:
+    """The ZeRO optimizer shards (``[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt``, one per
+    data-parallel rank D and model-parallel rank MM) absent, empty or truncated in ``folder``: none
+    when the iteration holds no optimizer shard at all (saved without, or without ZeRO)."""
+    present = [f for f in os.listdir(folder) if f.endswith("_optim_states.pt")]
+    if not present:
+        return []
+    prefix = "bf16_" if any(f.startswith("bf16_") for f in present) else ""
+    missing = []
+    for dp in range(dp_size):
+        for mp in range(mp_size):
+            name = f"{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path) or os.path.getsize(path) == 0 or not zipfile.is_zipfile(path):
+                missing.append(name)
+    return missing
 
 
 def _read_latest(load_path: str, entries: List[str]) -> Tuple[int, bool]:
@@ -113,10 +155,49 @@ def read_model_config(model_path: str, need_class: bool = False) -> dict:
             config = json.load(f)
     except ValueError as exc:
         raise CheckpointError(f"'{path}' is not valid JSON ({exc}): fix or re-create it") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{path}' must be a JSON object of the model's settings, not "
+                              f"{type(config).__name__}: re-create it from the model's source")
     need = REQUIRED_CONFIG + (("model_class",) if need_class else ())
     missing = [k for k in need if k not in config]
     if missing:
         example = '"hidden_size": 4096' + (', "model_class": "CogVLMModel"' if "model_class" in missing else "")
         raise CheckpointError(f"'{path}' lacks {', '.join(missing)}: add them with the values the checkpoint "
                               f"was trained with (e.g. {example})")
+    check_model_config(config, path)
     return config
+
+
+# field -> largest value a real model may have (CogVLM/CogAgent: 32 layers, hidden 4096, 32 heads,
+# vocabulary 32000; EVA2-CLIP-E 63 layers at 1792) with room for far larger models
+SIZE_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 17, "num_attention_heads": 4096, "vocab_size": 1 << 24,
+               "inner_hidden_size": 1 << 20, "max_sequence_length": 1 << 22, "model_parallel_size": 4096,
+               "hidden_size_per_attention_head": 1 << 14, "num_multi_query_heads": 4096}
+
+
+def check_model_config(config, path: str, where: str = "") -> None:
+    """Types and ranges of the sizes a model is built from, before anything is allocated: each a
+    whole number from 1 to :data:`SIZE_LIMITS` (``inner_hidden_size`` and a few others may be null),
+    the heads dividing the hidden size, ``eva_args`` (the vision tower's config) a mapping checked
+    the same way."""
+    for key, limit in SIZE_LIMITS.items():
+        value = config.get(key)
+        if value is None and key not in REQUIRED_CONFIG:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise CheckpointError(f"'{path}'{where}: {key} is {value!r}; it must be a whole number from 1 to "
+                                  f"{limit}: set the value the checkpoint was trained with")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if config.get("hidden_size_per_attention_head") is None and hidden % heads:
+        raise CheckpointError(f"'{path}'{where}: num_attention_heads {heads} does not divide hidden_size {hidden}: "
+                              f"set the values the checkpoint was trained with (or hidden_size_per_attention_head)")
+    if "eva_args" in config:
+        eva = config["eva_args"]
+        if not isinstance(eva, dict):
+            raise CheckpointError(f"'{path}'{where}: eva_args is {type(eva).__name__}, not a mapping of the vision "
+                                  f"tower's settings: copy eva_args from the model's source")
+        missing = [k for k in REQUIRED_CONFIG if k not in eva]
+        if missing:
+            raise CheckpointError(f"'{path}' eva_args lacks {', '.join(missing)}: copy eva_args from the model's "
+                                  f"source")
+        check_model_config(eva, path, where=" eva_args")

@@ -40,12 +40,19 @@ def staging_dir(save: str, iteration) -> str:
     return os.path.join(save, f"{STAGING_PREFIX}{iteration}")
 
 
-def publish(staged: str, save: str) -> None:
+def publish(staged: str, save: str, world_size: int = 1, mp_size: int = 1) -> None:
     """Move a staged save (``<N>`` directories, ``model_config.json``, ``latest``) into ``save``:
     each directory fsynced and put in place with one rename, then ``model_config.json``, then
-    ``latest`` last."""
-    from ..checkpoints.files import find_checkpoint
-    find_checkpoint(staged)  # every MP shard present and not truncated, else CheckpointError: keep the old one
+    ``latest`` last. Only a complete save is published: every model-parallel shard, and when the
+    save holds ZeRO optimizer shards, one for every data-parallel and model-parallel rank; else
+    :class:`CheckpointError` names what is missing and ``save`` keeps its previous checkpoint."""
+    from ..checkpoints.files import CheckpointError, find_checkpoint, missing_optimizer_shards
+    ckpt = find_checkpoint(staged)  # every MP shard present and not truncated
+    folder = os.path.dirname(ckpt.files[0])
+    missing = missing_optimizer_shards(folder, max(world_size // mp_size, 1), mp_size)
+    if missing:
+        raise CheckpointError(f"the save of iteration {ckpt.iteration} lacks {', '.join(missing)} in {folder}: not "
+                              f"published; '{save}' keeps its previous checkpoint")
     for entry in sorted(os.listdir(staged)):
         src = os.path.join(staged, entry)
         if os.path.isdir(src):
@@ -84,7 +91,8 @@ def _save_checkpoint(original):
         staged_args.save = staged
         original(iteration, model, optimizer, lr_scheduler, staged_args)  # ends with a barrier
         if rank == 0:
-            publish(staged, save)
+            from sat import mpu
+            publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
         dist.barrier()
     return save_checkpoint
 

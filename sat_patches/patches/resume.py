@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from ..checkpoints import safe_load
+from ..checkpoints.files import CheckpointError
 from ..core.registry import Patch, SatPatchesWarning, expect_names
 
 
@@ -110,8 +111,13 @@ def _load_optimizer(engine, args, states: dict) -> bool:
         engine.loaded_checkpoint_dp_world_size = states.get("dp_world_size", engine.dp_world_size)
         engine.loaded_checkpoint_mp_world_size = states.get("mp_world_size", engine.mp_world_size)
         names = engine._get_all_zero_checkpoint_names(args.load, str(args.iteration), engine.bfloat16_enabled())
-        if not all(os.path.isfile(n) for n in names):
+        present = [os.path.isfile(n) for n in names]
+        if not any(present):
             return _fresh(args, f"no ZeRO optimizer shards ({os.path.basename(names[0])}, ...)")
+        if not all(present):
+            raise CheckpointError(f"'{args.load}' iteration {args.iteration} lacks "
+                                  f"{', '.join(n for n, p in zip(names, present) if not p)}: copy it, or resume from "
+                                  f"another iteration")
         # SAT's bundled ZeRO configs say load_from_fp32_weights: false (SAT never saved these shards): the
         # fp32 master weights would be rebuilt from the bf16/fp16 model, off by a rounding at every step
         zero_config = engine._config.zero_config

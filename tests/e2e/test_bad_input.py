@@ -88,6 +88,45 @@ def model_config_missing_fields(tmp):
     read_model_config(root)
 
 
+def _model_config(tmp, **changes):
+    from sat_patches.patches.loading import read_model_config
+    root = _checkpoint(tmp / "ck")
+    config = json.loads((tmp / "ck" / "model_config.json").read_text())
+    (tmp / "ck" / "model_config.json").write_text(json.dumps(dict(config, **changes)))
+    read_model_config(root)
+
+
+def model_config_negative_layers(tmp):
+    _model_config(tmp, num_layers=-2)
+
+
+def model_config_absurd_hidden_size(tmp):
+    _model_config(tmp, hidden_size=10 ** 12)
+
+
+def model_config_size_as_text(tmp):
+    _model_config(tmp, vocab_size="32000")
+
+
+def model_config_heads_not_dividing(tmp):
+    _model_config(tmp, num_attention_heads=5)
+
+
+def model_config_eva_args_not_a_mapping(tmp):
+    _model_config(tmp, eva_args=["EVA2CLIPModel", 63])
+
+
+def model_config_eva_args_bad_size(tmp):
+    _model_config(tmp, eva_args={"num_layers": 0, "hidden_size": 1792, "num_attention_heads": 16, "vocab_size": 1})
+
+
+def model_config_not_an_object(tmp):
+    from sat_patches.patches.loading import read_model_config
+    root = _checkpoint(tmp / "ck")
+    (tmp / "ck" / "model_config.json").write_text("[32, 4096]")
+    read_model_config(root)
+
+
 def dataset_empty(tmp):
     _dataset(_images(tmp / "data", good=0))
 
@@ -187,6 +226,13 @@ CASES = [
     (checkpoint_missing_shard, "lacks model-parallel shard(s) [1]", None),
     (checkpoint_truncated, "is truncated or not a torch checkpoint", None),
     (model_config_missing_fields, "lacks hidden_size, num_attention_heads: add them", None),
+    (model_config_negative_layers, "num_layers is -2; it must be a whole number from 1 to 4096", None),
+    (model_config_absurd_hidden_size, "hidden_size is 1000000000000; it must be a whole number from 1 to 131072", None),
+    (model_config_size_as_text, "vocab_size is '32000'; it must be a whole number", None),
+    (model_config_heads_not_dividing, "num_attention_heads 5 does not divide hidden_size 64", None),
+    (model_config_eva_args_not_a_mapping, "eva_args is list, not a mapping of the vision tower's settings", None),
+    (model_config_eva_args_bad_size, "model_config.json' eva_args: num_layers is 0", None),
+    (model_config_not_an_object, "must be a JSON object of the model's settings, not list", None),
     (dataset_empty, "it holds no .jpg file", None),
     (dataset_all_unreadable, "all 3 .jpg files are unreadable", None),
     (dataset_some_unreadable, "kept 2 skipped 1", None),

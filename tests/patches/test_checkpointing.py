@@ -117,6 +117,59 @@ def test_publish_refuses_incomplete_staging(tmp_path):
     assert (save / "latest").read_text() == "2"
 
 
+@pytest.mark.parametrize("lacking, message", [
+    ("mp_rank_01_model_states.pt", "lacks model-parallel shard(s) [1] of 2 (model_config.json says model_parallel_size "
+                                   "2): copy the missing mp_rank_01_model_states.pt"),
+    ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "lacks bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt in "),
+    ("truncated bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "lacks bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"),
+])
+def test_publish_needs_every_shard_of_every_rank(tmp_path, lacking, message):
+    """4 ranks at MP=2 (2 data-parallel): 2 model-state shards, 4 ZeRO optimizer shards; one missing (or
+    cut short): nothing is published, the previous checkpoint stays the one 'latest' names."""
+    import json
+    import torch
+    from sat_patches.patches.checkpointing import publish
+    from sat_patches.patches.loading import CheckpointError
+    save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
+    (staged / "4").mkdir(parents=True)
+    files = [f"mp_rank_{m:02d}_model_states.pt" for m in range(2)] + \
+            [f"bf16_zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(2) for m in range(2)]
+    for name in files:
+        torch.save({"module": {}}, staged / "4" / name)
+    (staged / "latest").write_text("4")
+    (staged / "model_config.json").write_text(json.dumps({"num_layers": 1, "model_parallel_size": 2}))
+    (save / "latest").write_text("2")
+    what, _, name = lacking.rpartition(" ")
+    if what == "truncated":
+        data = (staged / "4" / name).read_bytes()
+        (staged / "4" / name).write_bytes(data[: len(data) // 2])
+    else:
+        (staged / "4" / name).unlink()
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        publish(str(staged), str(save), world_size=4, mp_size=2)
+    assert (save / "latest").read_text() == "2" and not (save / "4").exists()
+
+
+def test_every_staged_file_and_directory_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
+    import torch
+    from sat_patches.patches.checkpointing import publish
+    save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
+    (staged / "4").mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save({"module": {}}, staged / "4" / name)
+    (staged / "latest").write_text("4")
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a))), real_rename(a, b))[1])
+    publish(str(staged), str(save))
+    renamed = events.index(("rename", str(staged / "4")))
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert {str(staged / "4" / n) for n in os.listdir(save / "4")} | {str(staged / "4")} <= synced, events
+    assert ("fsync", str(save)) in events[renamed:]  # the new entry in the run directory, too
+
+
 if __name__ == "__main__":
     _crash_in_save_hook()
     from sat_patches.testing.tiny_lora import main

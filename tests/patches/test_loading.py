@@ -36,6 +36,10 @@ def ckpt_dir(tmp_path):
     ("latest_elsewhere", "has no directory '7'"),
     ("no_shards", "holds no mp_rank_XX_model_states.pt"),
     ("gap", "lacks model-parallel shard(s) [1]"),
+    ("last_shard_by_config", "lacks model-parallel shard(s) [1] of 2 (model_config.json says model_parallel_size 2): "
+                             "copy the missing mp_rank_01_model_states.pt"),
+    ("last_shard_by_optimizer", "lacks model-parallel shard(s) [1, 2] of 3 (optimizer shards of model-parallel rank 2 "
+                                "are there): copy the missing mp_rank_01_model_states.pt, mp_rank_02_model_states.pt"),
     ("truncated", "is truncated or not a torch checkpoint"),
     ("zero_bytes", "is truncated or not a torch checkpoint"),
 ])
@@ -57,6 +61,11 @@ def test_bad_checkpoint_directories_say_what_to_change(tmp_path, ckpt_dir, break
     elif breakage == "gap":
         shard.rename(ckpt_dir / "1" / "mp_rank_02_model_states.pt")
         torch.save({"module": {}}, ckpt_dir / "1" / "mp_rank_00_model_states.pt")
+    elif breakage == "last_shard_by_config":  # the highest shard is missing: no gap among the others
+        cfg = json.loads((ckpt_dir / "model_config.json").read_text())
+        (ckpt_dir / "model_config.json").write_text(json.dumps(dict(cfg, model_parallel_size=2)))
+    elif breakage == "last_shard_by_optimizer":
+        torch.save({}, ckpt_dir / "1" / "zero_pp_rank_0_mp_rank_02_optim_states.pt")
     elif breakage == "truncated":
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2])

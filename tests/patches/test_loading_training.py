@@ -19,7 +19,9 @@ from sat_patches.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-MINE = ["local_world_size_check", "shared_experiment_start", "shared_experiment_name", "from_pretrained_rank_local", "load_checkpoint_mmap"]
+MINE = ["local_world_size_check", "shared_experiment_start", "shared_experiment_name", "from_pretrained_rank_local", "load_checkpoint_mmap",
+        # stock SAT writes each rank's shard in place; the atomic save would (rightly) publish neither half
+        "atomic_checkpoint_save"]
 # ZeRO-1 bf16: SAT's save_checkpoint reads optimizer.optimizer, which an unwrapped fp32 optimizer lacks
 TRAIN = ["--model-parallel-size", "2", "--train-iters", "4", "--no-save-rng", "--log-interval", "4",
          "--zero-stage", "1", "--bf16"]

@@ -145,3 +145,24 @@ def test_real_saves_need_only_the_allow_list_and_a_payload_in_an_optimizer_shard
             n for n in safe_load.ALLOWED if not n.startswith(("numpy.core", "numpy._core")) or n.startswith(numpy_core))
         assert rank["payload"] and "system" in rank["payload"] and "optim_states.pt" in rank["payload"]
         assert not rank["payload_ran"]
+
+
+def test_resume_refuses_an_iteration_missing_one_ranks_optimizer_shard(tmp_path):
+    """Some ZeRO shards there, one not: the checkpoint is damaged (a stock-SAT save has none at all and
+    resumes with a fresh optimizer, with a warning)."""
+    import argparse
+    import types
+    import torch
+    from sat_patches.checkpoints.files import CheckpointError
+    from sat_patches.patches import resume
+    names = [str(tmp_path / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt") for d in range(2)]
+    torch.save({}, names[0])
+    engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(dp_process_group=None),
+                                   _save_zero_checkpoint=None, dp_world_size=2, mp_world_size=1,
+                                   _get_all_zero_checkpoint_names=lambda *a: names, bfloat16_enabled=lambda: True)
+    args = argparse.Namespace(load=str(tmp_path), iteration=4)
+    with pytest.raises(CheckpointError, match="lacks .*bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        resume._load_optimizer(engine, args, {})
+    os.unlink(names[0])
+    with pytest.warns(Warning, match="no ZeRO optimizer shards"):
+        assert resume._load_optimizer(engine, args, {}) is False
