@@ -6,22 +6,7 @@ import torch
 
 from sat_patches.checkpoints import safe_load
 from sat_patches.testing import run_ranks
-
-
-class Payload:
-    """Unpickled in full, this runs ``touch <marker>`` (what a malicious file would do, harmlessly)."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def plant(shard_file, marker):
-    state = torch.load(shard_file, weights_only=False)
-    state["payload"] = Payload(marker)
-    torch.save(state, shard_file)
+from sat_patches.testing.payload import plant
 
 
 def tiny_checkpoint(path, marker):

@@ -38,7 +38,7 @@ def test_arguments_go_to_the_run_directory_with_one_line(tmp_path, sat_log, caps
     assert capsys.readouterr().out == f"arguments: 5 settings in {tmp_path / console.ARGUMENTS_TXT}\n"
     with patches_removed("sat_console_to_files"):
         deepspeed_training.print_args(_args(tmp_path / "stock"))
-    assert any(l.startswith("  lr .......") for l in sat_log) and not (tmp_path / "stock").exists()
+    assert any("  lr ......." in l for l in sat_log) and not (tmp_path / "stock").exists()
 
 
 def test_interval_timers_go_to_step_times_csv(tmp_path, sat_log):
@@ -51,10 +51,10 @@ def test_interval_timers_go_to_step_times_csv(tmp_path, sat_log):
     with open(tmp_path / console.STEP_TIMES_CSV) as f:
         header, row = f.read().splitlines()
     assert header == "iteration,forward_ms,backward_ms" and row.startswith("4,")
-    assert not any(l.startswith("time (ms)") for l in sat_log)
+    assert not any("time (ms)" in l for l in sat_log)
     with patches_removed("timers_to_step_times"):
         timers.log(["forward"])
-    assert any(l.startswith("time (ms) | forward: ") for l in sat_log)
+    assert any("time (ms) | forward: " in l for l in sat_log)  # ("[RANK 0] " first where a group exists)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU-only case")
@@ -64,6 +64,7 @@ def test_memory_line_only_where_cuda_is(sat_log):
     assert not sat_log
     with patches_removed("memory_report_cuda_only"):
         deepspeed_training.report_memory("after 2 iterations")
-    assert sat_log == ["after 2 iterations memory (MB) | allocated: 0.0 | max allocated: 0.0 | cached: 0.0 | "
-                       "max cached: 0.0"]
+    [line] = sat_log
+    assert line.endswith("after 2 iterations memory (MB) | allocated: 0.0 | max allocated: 0.0 | cached: 0.0 | "
+                         "max cached: 0.0")
 

@@ -26,7 +26,6 @@ BASE = ["--model-parallel-size", "2", "--mode", "pretrain", "--train-iters", "8"
 
 def train_stop_resume(root):
     import glob
-    import torch
     from sat_patches.testing import patches_removed, tiny_lora
 
     def losses(tag, extra, removed=()):
@@ -73,12 +72,11 @@ def train_stop_resume(root):
 
     # an optimizer shard carrying a pickle payload: resume refuses it before anything of it runs
     from sat_patches.checkpoints import safe_load
+    from sat_patches.testing.payload import plant
     planted = stopped("stop-payload", bf16)
     rank = int(os.environ["RANK"])
     shard = os.path.join(planted, "4", f"bf16_zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt")
-    state = torch.load(shard, weights_only=False)
-    state["payload"] = Payload(os.path.join(root, f"payload-ran-{rank}"))
-    torch.save(state, shard)
+    plant(shard, os.path.join(root, f"payload-ran-{rank}"))
     try:
         losses("payload", bf16 + ["--load", planted, "--save", os.path.join(root, "payload")])
         out["payload"] = None
@@ -87,13 +85,6 @@ def train_stop_resume(root):
     out["payload_ran"] = os.path.exists(os.path.join(root, f"payload-ran-{rank}"))
     return out
 
-
-class Payload:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def _gap(resumed, full):
