@@ -173,15 +173,27 @@ def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
     return True
 
 
+def model_parallel_rng_tracker():
+    """The model-parallel RNG tracker SAT forks for attention dropout (DeepSpeed's
+    ``CudaRNGStatesTracker``, as ``sat.mpu.get_cuda_rng_tracker()``), or None where SAT has none (no
+    CUDA at its import: ``sat.mpu.get_cuda_rng_tracker`` is None)."""
+    from sat import mpu
+    get = getattr(mpu, "get_cuda_rng_tracker", None)
+    return get() if get is not None else None
+
+
 def restore_rng(saved: dict) -> None:
-    """Set Python's, numpy's, torch's (and CUDA's) random states from a SAT checkpoint's saved dict;
-    a state the checkpoint lacks is left as it is, with a warning."""
+    """Set Python's, numpy's, torch's (and CUDA's and the model-parallel RNG tracker's) random states
+    from a SAT checkpoint's saved dict; a state the checkpoint lacks is left as it is, with a warning."""
     import random
     import numpy as np
     states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
               ("torch_rng_state", torch.set_rng_state)]
     if torch.cuda.is_available():
         states.append(("cuda_rng_state", torch.cuda.set_rng_state))
+    tracker = model_parallel_rng_tracker()
+    if tracker is not None:  # CUDA runs: the attention-dropout streams of the model-parallel ranks
+        states.append(("rng_tracker_states", tracker.set_states))
     absent = [name for name, _ in states if name not in saved]
     for name, setter in states:
         if name in saved:

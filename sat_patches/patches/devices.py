@@ -143,7 +143,9 @@ def _broadcast_data(original):
 
 
 def _save_ds_checkpoint(original):
-    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save."""
+    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save (CPU
+    runs), and the model-parallel RNG tracker's states, which SAT's ``load_checkpoint`` restores but
+    its save never wrote (a resumed CUDA run re-drew its attention-dropout masks)."""
     import random
 
     import numpy as np
@@ -160,6 +162,10 @@ def _save_ds_checkpoint(original):
             sd["torch_rng_state"] = torch.get_rng_state()
             if compute_device().type == "cuda":
                 sd["cuda_rng_state"] = torch.cuda.get_rng_state()
+            from ..checkpoints.state import model_parallel_rng_tracker
+            tracker = model_parallel_rng_tracker()
+            if tracker is not None:  # SAT's load_checkpoint reads these back; its save never wrote them
+                sd["rng_tracker_states"] = tracker.get_states()
         tag = f"{iteration}-ema" if use_ema else str(iteration)
         save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
     return save_ds_checkpoint

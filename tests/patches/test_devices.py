@@ -113,3 +113,35 @@ def test_checkpoint_save_keeps_rng_states_without_cuda(monkeypatch, tmp_path):
     with patches_removed("save_rng_without_cuda"):
         with pytest.raises(AssertionError, match="not compiled with CUDA"):
             model_io.save_ds_checkpoint(3, model=None, lr_scheduler=None, args=args)
+
+
+def test_model_parallel_rng_tracker_states_are_saved_and_restored(monkeypatch, tmp_path):
+    """On CUDA, SAT forks DeepSpeed's model-parallel RNG tracker for attention dropout; its
+    load_checkpoint restores ``rng_tracker_states`` but its save never writes them. The round trip on
+    the tracker object (with CPU generator states: the object does not care)."""
+    import argparse
+    import torch
+    from deepspeed.runtime.activation_checkpointing.checkpointing import CudaRNGStatesTracker
+    from sat import mpu
+    from sat.training import model_io
+    from sat_patches.checkpoints.state import restore_rng
+    from sat_patches.testing import patches_removed
+    tracker = CudaRNGStatesTracker()
+    torch.manual_seed(7)
+    tracker.states_ = {"model-parallel-rng": torch.get_rng_state()}
+    monkeypatch.setattr(mpu, "get_cuda_rng_tracker", lambda: tracker)
+    saved = {}
+    monkeypatch.setattr(model_io, "save_ds_checkpoint_no_optim",
+                        lambda model, save, tag=None, client_state=None, **kw: saved.update(client_state))
+    args = argparse.Namespace(no_save_rng=False, save=str(tmp_path))
+    model_io.save_ds_checkpoint(4, None, None, args)
+    at_save = saved["rng_tracker_states"]["model-parallel-rng"].clone()
+    torch.manual_seed(8)
+    tracker.states_ = {"model-parallel-rng": torch.get_rng_state()}  # the run moved on
+    restore_rng(saved)
+    assert torch.equal(tracker.get_states()["model-parallel-rng"], at_save)
+    saved.clear()
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: torch.get_rng_state())  # stock SAT needs CUDA's
+    with patches_removed("save_rng_without_cuda"):
+        model_io.save_ds_checkpoint(4, None, None, args)
+    assert "torch_rng_state" in saved and "rng_tracker_states" not in saved

@@ -87,6 +87,49 @@ def train_stop_resume(root):
 
 
 
+def train_stop_resume_data_parallel(root):
+    """MP=1 on 2 ranks: 2 data-parallel ranks, each with its own ZeRO-2 optimizer shard and its own
+    share of every batch (SAT's DistributedBatchSampler)."""
+    from sat_patches.testing import tiny_lora
+    args = [a if a != "2" or i != 1 else "1" for i, a in enumerate(BASE)] + ["--zero-stage", "2", "--bf16"]
+    assert args[:2] == ["--model-parallel-size", "1"]
+
+    def losses(tag, extra):
+        tiny_lora._LOSSES.clear()
+        try:
+            tiny_lora.main(args + ["--summary-dir", os.path.join(root, "summary"),
+                                   "--loss-log", os.path.join(root, f"{tag}-{{rank}}.json")] + extra)
+        except SystemExit:
+            pass
+        return list(tiny_lora._LOSSES)
+
+    import glob
+    out = {"full": losses("full", ["--save", os.path.join(root, "full")])}
+    losses("stop", ["--save", os.path.join(root, "stop"), "--exit-interval", "4"])
+    (run,) = glob.glob(os.path.join(root, "stop", "*"))
+    out["files"] = sorted(os.listdir(os.path.join(run, "4")))
+    out["resumed"] = losses("resumed", ["--load", run, "--save", os.path.join(root, "resumed")])
+    from sat_patches.testing import patches_removed
+    with patches_removed(*RESUME_LOAD_SIDE):
+        out["stock"] = losses("stock", ["--load", run, "--save", os.path.join(root, "stock")])
+    return out
+
+
+@pytest.mark.slow
+def test_resume_at_data_parallel_2_continues_exactly(tmp_path):
+    results = run_ranks(train_stop_resume_data_parallel, 2, args=(str(tmp_path),), timeout=300,
+                        env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
+    for r in results:
+        assert r.result is not None, (r.exception or "") + r.output[-4000:]
+    ranks = [r.result for r in results]
+    assert ranks[0]["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                 "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]
+    assert ranks[0]["full"] != ranks[1]["full"]  # each rank trains on its own share of the batches
+    for rank in ranks:
+        assert _gap(rank["resumed"], rank["full"]) < 1e-6, (rank["resumed"], rank["full"])
+        assert _gap(rank["stock"], rank["full"]) > 1e-3, (rank["stock"], rank["full"])  # SAT's own resume
+
+
 def _gap(resumed, full):
     assert len(resumed) == 4 and len(full) == 8, (resumed, full)
     return max(abs(a - b) for a, b in zip(resumed, full[4:]))
