@@ -8,6 +8,7 @@ Used by :mod:`sat_patches.patches.loading` (SAT's ``load_checkpoint``/``from_pre
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Dict, List, Tuple
 
@@ -90,12 +91,15 @@ def _resolve(model: torch.nn.Module, key: str):
     return tensor, split_of(model, key, owner, name)
 
 
-def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str], List[str]]:
+def load_state(model: torch.nn.Module, source: ShardedSource, after=None) -> Tuple[List[str], List[str]]:
     """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
-    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). Returns
+    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). ``after(module,
+    prefix)``, when given, runs as each module is complete (its children loaded). Returns
     (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
-    assigned: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
+    # id(meta tensor) -> (it, its replacement): shared (tied) tensors are loaded once. The replacement
+    # by weak reference: a layer converted as it is loaded (QLoRA's NF4) frees its float weights at once
+    assigned: Dict[int, Tuple[torch.Tensor, "weakref.ref"]] = {}
     target = materialise_device()
     hooked_prefixes = []
 
@@ -107,8 +111,9 @@ def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str]
             if key not in source:
                 missing.append(key)
                 continue
-            if id(t) in assigned and assigned[id(t)][0] is t:  # shared (tied) tensor, already loaded
-                new = assigned[id(t)][1]
+            loaded = assigned[id(t)][1]() if id(t) in assigned and assigned[id(t)][0] is t else None
+            if loaded is not None:  # shared (tied) tensor, already loaded
+                new = loaded
                 source.used.add(key)
             elif t.is_meta:
                 new = torch.empty(t.shape, dtype=t.dtype, device=target)
@@ -116,7 +121,7 @@ def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str]
                 if is_param:
                     new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                     new.__dict__.update(t.__dict__)
-                assigned[id(t)] = (t, new)  # holding t keeps its id from being reused
+                assigned[id(t)] = (t, weakref.ref(new))  # holding t keeps its id from being reused
             else:
                 source.copy_into(key, t, split_of(model, key, module, name))
                 continue
@@ -136,6 +141,8 @@ def load_state(model: torch.nn.Module, source: ShardedSource) -> Tuple[List[str]
         incompatible = torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
         for hook in module._load_state_dict_post_hooks.values():
             hook(module, incompatible)
+        if after is not None:
+            after(module, prefix)
 
     load(model, "")
     if errors:

@@ -72,8 +72,9 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     ckpt = source.ckpt
     mode = getattr(args, "mode", "inference")
     module = model.module if hasattr(model, "module") else model
+    from .lora import nf4_as_loaded
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
-        missing, unexpected = load_state(module, source)
+        missing, unexpected = load_state(module, source, after=nf4_as_loaded(module, args))
     if unexpected:
         print_rank0(f"Will continue but found unexpected_keys! Check whether you are loading correct "
                     f"checkpoints: {unexpected}.")

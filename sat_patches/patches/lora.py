@@ -51,6 +51,8 @@ def full_shape(layer: nn.Module):
     """(out_features, in_features) of ``layer`` over all model-parallel ranks."""
     if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
         return layer.output_size, layer.input_size
+    if _is_nf4(layer):  # its weight is packed
+        return layer.out_features, layer.in_features
     return tuple(layer.weight.shape)
 
 
@@ -103,7 +105,10 @@ class LoraLinear(nn.Module):
         super().__init__()
         if original_obj is None:
             raise TypeError("LoraLinear needs the layer it wraps: original_obj=")
+        nf4_base = _is_nf4(original_obj)  # quantised as it was loaded (a QLoRA run): kept as it is
         weight = original_obj.weight
+        if nf4_base:  # the LoRA factors' device and dtype: the base's compute dtype, not its packed bytes
+            weight = torch.empty(0, dtype=original_obj.compute_dtype, device=weight.device)
         self.kind = parallel_kind(original_obj)
         self.input_is_parallel = getattr(original_obj, "input_is_parallel", True)
         self.gather_output = getattr(original_obj, "gather_output", False)
@@ -114,9 +119,9 @@ class LoraLinear(nn.Module):
         if qlora and self.kind != PLAIN and get_model_parallel_world_size() > 1:
             raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 "
                                       "base layer has no model-parallel forward")
-        self.original = quantize_nf4(original_obj) if qlora else original_obj
+        self.original = quantize_nf4(original_obj) if qlora and not nf4_base else original_obj
 
-        out_features, in_features = weight.shape  # this rank's slice
+        out_features, in_features = full_shape(original_obj) if nf4_base else weight.shape  # this rank's slice
         rows = segment_sizes(out_features, partition)
         self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
@@ -285,6 +290,49 @@ def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> Non
             quantize_linears_nf4(child, done)
 
 
+def qlora_run(args) -> bool:
+    """A QLoRA run: upstream's ``--use_qlora``, or ``SAT_PATCHES_QLORA=1`` for scripts without it."""
+    return bool(getattr(args, "use_qlora", False)) or os.environ.get("SAT_PATCHES_QLORA", "") not in ("", "0")
+
+
+def qlora_base(model: nn.Module) -> List[nn.Module]:
+    """The parts of a model whose float linears QLoRA makes NF4: the transformer and the mixins that
+    extend it (CogVLM's vision experts, LLaMA's gate projections); not a mixin holding a model of its
+    own (CogVLM's EVA vision tower), not the adapters, and not the LM head (``lm``), which QLoRA keeps
+    in the run's dtype as it does the embeddings."""
+    from sat.model.base_model import BaseModel
+    roots = [model.transformer] if hasattr(model, "transformer") else []
+    for name, mixin in getattr(model, "mixins", {}).items():
+        if name not in ("lora", "lm") and not any(isinstance(m, BaseModel) for m in mixin.modules()):
+            roots.append(mixin)
+    return roots
+
+
+def nf4_as_loaded(model: nn.Module, args):
+    """For a QLoRA run, the loader's ``after`` callback that turns each float linear of
+    :func:`qlora_base` into NF4 on the compute device as soon as it is loaded, so the float model
+    never exists whole on the device: the peak is the NF4 model plus one linear in float
+    (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
+    wraps these NF4 bases as they are. None for other runs."""
+    if not qlora_run(args) or not hasattr(model, "transformer"):
+        return None
+    if get_model_parallel_world_size() > 1:
+        raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 base layer has no "
+                                  "model-parallel forward; use MP_SIZE=1 (QLoRA fits CogVLM on one 24 GB GPU)")
+    from bitsandbytes.nn import Linear4bit
+    inside = {id(m) for root in qlora_base(model) for m in root.modules()}
+    done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
+
+    def after(module, prefix):
+        if id(module) not in inside or not isinstance(module, FLOAT_LINEARS) or isinstance(module, Linear4bit):
+            return
+        parent, _, name = prefix.rstrip(".").rpartition(".")
+        if id(module) not in done:
+            done[id(module)] = quantize_nf4(module)
+        setattr(model.get_submodule(parent), name, done[id(module)])
+    return after
+
+
 # --------------------------------------------------------------------------------------
 # LoraMixin.reinit
 # --------------------------------------------------------------------------------------
@@ -313,7 +361,8 @@ def _reinit(original):
                     in_size=in_size, out_size=out_size))
         print_rank0(f"LoRA (r={self.r}{', NF4 base' if self.qlora else ''}) on layers {list(self.layer_range)}")
         if self.qlora:
-            quantize_linears_nf4(transformer)
+            for root in qlora_base(parent_model):
+                quantize_linears_nf4(root)
     return reinit
 
 

@@ -1,0 +1,140 @@
+"""Peak memory of upstream CogVLM's QLoRA sequence, stock SAT vs sat_patches, over the bf16 checkpoint.
+
+    python benchmarks/qlora_load.py            # 8 layers at hidden 2048 (LLaMA-style), bf16, ~0.9 GiB
+    python benchmarks/qlora_load.py --small    # a few MB, to try it out
+
+The sequence of upstream's ``finetune_demo`` for ``--use_qlora``: ``args.device = 'cpu'``,
+``from_pretrained``, ``add_mixin("lora", LoraMixin(..., qlora=True), reinit=True)``. On a CPU rank the
+compute device is the host. Printed: peak RSS above the idle baseline (it includes the pages of the
+memory-mapped checkpoint file as they are read), and the peak of anonymous memory (``RssAnon``: what
+the process allocated, i.e. the tensors; on a GPU run the file's pages stay in the host's page cache
+and this is what the device holds). The target is on the latter. Variants, each in a fresh process:
+
+* stock SAT;
+* sat_patches loading the float model and quantising afterwards (``use_qlora`` not set while loading:
+  what sat_patches did before QLoRA runs streamed);
+* sat_patches as a QLoRA run: each linear becomes NF4 as it is loaded (target <= 0.5x).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from _memory import proc_status_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+FULL = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=32000, inner_hidden_size=5632,
+            num_vision_layers=1)
+SMALL = dict(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=4096, inner_hidden_size=512,
+             num_vision_layers=1)
+TARGET = 0.5
+# glibc serves allocations below its (self-raising) mmap threshold from the heap and keeps what is
+# freed there: RssAnon would count freed float layers. A fixed threshold returns every freed tensor.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def save(path: str, cfg: dict) -> int:
+    """(one rank) The bf16 SAT checkpoint; returns its bytes."""
+    import torch
+    import torch.distributed as dist
+    from sat import mpu
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    mpu.initialize_model_parallel(1)
+    args = el.build_args(el.config(**cfg), bf16=True, skip_init=True)
+    model = el.model_class()(args, params_dtype=torch.bfloat16).bfloat16()
+    el.fill_(model, seed=0)
+    el.write_checkpoint(model, el.config(**cfg), path)
+    return os.path.getsize(os.path.join(path, "1", "mp_rank_00_model_states.pt"))
+
+
+def measure(path: str, stream: bool) -> dict:
+    """(one rank) Upstream's QLoRA sequence; peak RSS above the idle baseline, and what became NF4."""
+    import torch.distributed as dist
+    from sat.model.finetune.lora2 import LoraMixin
+    from sat_patches.testing import expert_llama as el
+    dist.init_process_group("gloo")
+    cls = el.model_class()
+    args = cls.get_args(bf16=True, mode="finetune", skip_init=True)
+    args.use_qlora = stream
+    args.device = "cpu"
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    baseline, anon_baseline = proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon")
+    anon = AnonPeak()
+    try:
+        with anon:
+            model, args = cls.from_pretrained(path, args)
+            model.add_mixin("lora", LoraMixin(args.num_layers, 10, qlora=True), reinit=True)
+    except Exception as exc:  # noqa: BLE001 (stock SAT's QLoRA fails; report how)
+        return dict(extra=proc_status_bytes("VmHWM") - baseline, anon=anon.peak - anon_baseline,
+                    failed=f"{type(exc).__name__}: {exc}"[:160])
+    nf4 = sum(1 for m in model.modules() if getattr(getattr(m, "weight", None), "quant_type", None) == "nf4")
+    return dict(extra=proc_status_bytes("VmHWM") - baseline, anon=anon.peak - anon_baseline, failed=None, nf4=nf4)
+
+
+class AnonPeak:
+    """The peak of ``RssAnon`` (memory the process allocated: tensors, not the pages of the mapped
+    checkpoint file, which on a GPU run stay in the host's page cache), sampled every millisecond."""
+
+    def __enter__(self):
+        import threading
+        self.peak, self._stop = proc_status_bytes("RssAnon"), threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, proc_status_bytes("RssAnon"))
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_status_bytes("RssAnon"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a few-MB model (smoke test)")
+    parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=900)
+    opts = parser.parse_args(argv)
+    from sat_patches.testing import run_ranks
+
+    cfg = SMALL if opts.small else FULL
+    with tempfile.TemporaryDirectory(prefix="satp-qlora-", dir=opts.dir) as tmp:
+        path = os.path.join(tmp, "ckpt")
+        [saved] = run_ranks("qlora_load:save", 1, args=(path, cfg), timeout=opts.timeout, fresh=True)
+        if not saved.ok:
+            print(saved.output[-4000:])
+            return 1
+        size = saved.result
+        print(f"bf16 checkpoint: {size / 2**30:.3f} GiB ({cfg})\n")
+        print(f"{'variant':<46}{'peak RSS - idle':>17}{'/ ckpt':>8}{'peak anon - idle':>18}{'/ ckpt':>8}  outcome")
+        ok = True
+        for name, patches, stream in (("stock SAT", "stock", False),
+                                      ("sat_patches, float load then quantise", True, False),
+                                      ("sat_patches, QLoRA run (NF4 as loaded)", True, True)):
+            [r] = run_ranks("qlora_load:measure", 1, args=(path, stream), timeout=opts.timeout, patches=patches,
+                            fresh=True, env=ALLOCATOR)
+            if not r.ok:
+                print(f"{name:<46}  crashed:\n{(r.exception or r.output)[-3000:]}")
+                ok = False
+                continue
+            m = r.result
+            outcome = f"failed: {m['failed']}" if m["failed"] else f"{m['nf4']} NF4 linears"
+            print(f"{name:<46}{m['extra'] / 2**30:>13.3f} GiB{m['extra'] / size:>8.2f}{m['anon'] / 2**30:>14.3f} GiB"
+                  f"{m['anon'] / size:>8.2f}  {outcome}")
+            if stream and (m["failed"] or m["anon"] / size > TARGET):
+                ok = False
+        print(f"\nQLoRA run within {TARGET}x" if ok else f"\nTHE QLoRA RUN MISSES {TARGET}x")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

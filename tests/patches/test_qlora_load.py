@@ -1,0 +1,106 @@
+"""QLoRA runs load the base as NF4, layer by layer: the float model never exists whole on the device.
+
+Upstream CogVLM's QLoRA sequence: ``args.device = 'cpu'``, ``from_pretrained``, then
+``add_mixin("lora", LoraMixin(..., qlora=True), reinit=True)``. Here the transformer's linears are NF4
+as soon as their layer is loaded, the mixin wraps them as they are, and the model trains.
+"""
+import pytest
+import torch
+
+from sat_patches.patches import lora
+from sat_patches.testing import expert_llama as el
+
+CFG = dict(num_layers=6, hidden_size=128, num_attention_heads=4, inner_hidden_size=256, num_vision_layers=0)
+
+
+def held_bytes(model) -> int:
+    """Bytes of every tensor storage the model holds off meta (NF4 data and its absmax included)."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [w.quant_state.absmax for w in model.parameters() if getattr(w, "quant_state", None) is not None]
+    for t in tensors:
+        if t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def load(path, cfg, qlora, monkeypatch):
+    """Upstream's sequence up to from_pretrained; the peak of ``held_bytes`` while it loads."""
+    peaks = [0]
+    streaming = lora.nf4_as_loaded
+
+    def sampled(model, args):
+        inner = streaming(model, args)
+
+        def after(module, prefix):
+            peaks[0] = max(peaks[0], held_bytes(model))
+            if inner:
+                inner(module, prefix)
+        return after
+    monkeypatch.setattr(lora, "nf4_as_loaded", sampled)
+    args = el.build_args(cfg)
+    args.use_qlora, args.device = qlora, "cpu"
+    model, _ = el.model_class().from_pretrained(path, args)
+    return model, max(peaks[0], held_bytes(model))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qlora") / "ckpt")
+    cfg = el.config(**CFG)
+    model = el.model_class()(el.build_args(cfg))
+    el.fill_(model)
+    el.write_checkpoint(model, cfg, path)
+    return path, cfg, held_bytes(model)
+
+
+def test_linears_are_nf4_as_loaded_and_the_peak_is_nf4_plus_one_layer(checkpoint, monkeypatch):
+    path, cfg, float_bytes = checkpoint
+    model, peak = load(path, cfg, True, monkeypatch)
+    linears = [m for root in lora.qlora_base(model) for m in root.modules() if isinstance(m, lora.FLOAT_LINEARS)]
+    assert linears and all(lora._is_nf4(m) for m in linears)  # before any LoRA was added
+    layer_float = float_bytes - held_bytes(el.model_class()(el.build_args(dict(cfg, num_layers=5))))
+    assert peak <= held_bytes(model) + 1.05 * layer_float, (peak, held_bytes(model), layer_float)
+    assert peak / float_bytes <= 0.5, peak / float_bytes
+    _, stock_peak = load(path, cfg, False, monkeypatch)  # the same load without QLoRA holds the float model
+    assert stock_peak >= 0.95 * float_bytes
+
+
+def test_lora_wraps_the_nf4_bases_as_they_are_and_the_model_trains(checkpoint, monkeypatch):
+    from sat.model.finetune.lora2 import LoraMixin
+    path, cfg, _ = checkpoint
+    model, _ = load(path, cfg, True, monkeypatch)
+    bases = {id(m) for m in model.transformer.modules() if lora._is_nf4(m)}
+    model.add_mixin("lora", LoraMixin(cfg["num_layers"], 4, qlora=True), reinit=True)
+    wrapped = [m for m in model.transformer.modules() if lora.is_lora_layer(m)]
+    assert wrapped and all(id(m.original) in bases for m in wrapped)  # no second quantisation
+    trainable = [p for n, p in model.named_parameters() if "matrix_" in n]
+    for p in model.parameters():
+        p.requires_grad_(any(p is t for t in trainable))
+    optimizer = torch.optim.Adam(trainable, lr=0.02)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 8), generator=g)
+    targets = torch.full((2, 8), 5)  # one token to learn: the adapters alone can move the logits to it
+    losses = []
+    for _ in range(12):
+        logits = model(input_ids=ids, position_ids=torch.arange(8)[None].expand_as(ids),
+                       attention_mask=torch.ones(1, 1, 8, 8).tril())[0]
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_mp2_with_nf4_is_refused_before_loading(monkeypatch):
+    import argparse
+    monkeypatch.setattr(lora, "get_model_parallel_world_size", lambda: 2)
+    model = torch.nn.Module()
+    model.transformer = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="use MP_SIZE=1"):
+        lora.nf4_as_loaded(model, argparse.Namespace(use_qlora=True))
