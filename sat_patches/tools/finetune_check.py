@@ -134,6 +134,11 @@ def check(env: dict) -> List[str]:
     if env.get("TRAINABLE") not in (None, "", "lora", "demo"):
         errors.append(f"TRAINABLE={env['TRAINABLE']!r}: set TRAINABLE=lora (the adapters only) or TRAINABLE=demo "
                       f"(what the demo script trains), or leave it unset.")
+    if env.get("QLORA") not in (None, "", "0", "1"):
+        errors.append(f"QLORA={env['QLORA']!r}: set QLORA=1 (upstream's --use_qlora: an NF4 base) or QLORA=0.")
+    elif env.get("QLORA") == "1" and env.get("MP_SIZE", "1") not in ("", "1"):
+        errors.append(f"QLORA=1 with MP_SIZE={env['MP_SIZE']}: an NF4 base layer has no model-parallel forward; set "
+                      f"MP_SIZE=1 (QLoRA runs data-parallel on one or more GPUs).")
     ds_config = env.get("DS_CONFIG")
     if ds_config and config_path(ds_config) is None:
         shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".json") and n != "cpu_demo.json")

@@ -41,6 +41,7 @@ DEFAULTS = {
     "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
     "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
     "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
+    "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -68,6 +69,8 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
         env.update(CHECKOUT_CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}",
                    WORK_DIR=os.path.abspath(f"sat_patches_demo/checkout-{kind}"))
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
+    if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
+        env["MP_SIZE"] = "1"  # an NF4 base: data parallelism only (the CPU runs' MP_SIZE=2 default does not apply)
     if not env.get("TRAINABLE"):
         env["TRAINABLE"] = "demo" if run_mode.startswith("checkout") else "lora"  # a checkout: its demo's choice
     env["SAT_PATCHES_TRAINABLE"] = env["TRAINABLE"]  # read by the ranks (sat_patches.patches.trainable)
@@ -97,7 +100,8 @@ def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
     zero = config.get("zero_optimization", {})
     opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
                         zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
-                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"])
+                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
+                        qlora=env.get("QLORA") == "1")
     fits = [o.estimate.setup.micro_batch for o in opts if o.viable and o.estimate.setup.mp == int(env["MP_SIZE"])]
     return max(fits) if fits else None
 
@@ -142,7 +146,8 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--experiment-name", f"finetune-{os.path.basename(env['MODEL_TYPE'].rstrip('/'))}",
         "--model-parallel-size", env["MP_SIZE"], "--mode", "finetune", "--train-iters", env["TRAIN_ITERS"],
         "--resume-dataloader", "--from_pretrained", paths.get("model", env["MODEL_TYPE"]),
-        "--max_length", env["MAX_LENGTH"], "--lora_rank", env["LORA_RANK"], "--use_lora",
+        "--max_length", env["MAX_LENGTH"], "--lora_rank", env["LORA_RANK"],
+        "--use_qlora" if env.get("QLORA") == "1" else "--use_lora",  # upstream's demo takes one of the two
         "--local_tokenizer", paths.get("tokenizer", env["TOKENIZER"]), "--version", env["VERSION"],
         "--train-data", paths.get("train", env["TRAIN_DATA"]), "--valid-data", paths.get("valid", env["VALID_DATA"]),
         "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",

@@ -236,6 +236,7 @@ class Setup:
     lora_eva: bool = True
     train: str = "lora"             # lora | demo (upstream finetune_demo's trainable set)
     checkpoint_activations: bool = True
+    qlora: bool = False             # NF4 base (upstream's --use_qlora): MP=1, LoRA on the language model only
     device: str = "cuda"            # cuda | cpu (CPU ranks: everything is host memory)
     reduce_bucket: float = 4e7      # zero_optimization.reduce_bucket_size (upstream's configs)
     allgather_bucket: float = 1e8
@@ -319,15 +320,26 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     return out
 
 
+# QLoRA: what ``LoraMixin(qlora=True)`` makes NF4 (the language model's linears and its vision experts;
+# not EVA, the embeddings or the LM head). NF4 holds 4 bits per weight plus, per block of 64, an 8-bit
+# absmax (double quantisation), and per 256 blocks an fp32 scale: 0.5 + 1/64 + 4/16384 bytes.
+QLORA_PARTS = ("language layers", "vision-expert attention", "vision-expert MLP", "cross attention")
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
 def estimate(config: dict, setup: Setup) -> Estimate:
     s, c = setup, config
     parts = model_parts(c)
-    lora = lora_parts(c, s.lora_rank, s.lora_eva)
+    lora = lora_parts(c, s.lora_rank, s.lora_eva and not s.qlora)
     extra = demo_trainable_parts(c) if s.train == "demo" else []
     per_rank = lambda ps: sum(p.per_rank(s.mp) for p in ps)  # noqa: E731
     P, T = per_rank(parts + lora), per_rank(lora + extra)
     wb, dp = s.weight_bytes, s.dp
-    device: Dict[str, float] = {"weights": P * wb}
+    if s.qlora:
+        nf4 = per_rank([p for p in parts if p.name in QLORA_PARTS])
+        device: Dict[str, float] = {"weights (NF4)": nf4 * NF4_BYTES, "weights": (P - nf4) * wb}
+    else:
+        device = {"weights": P * wb}
     host: Dict[str, float] = {}
     mixed = s.dtype != "fp32"
     optimizer = (16 if mixed else 12) * T            # fp32 master + fp32 grads + Adam (mixed); grads + Adam (fp32)
@@ -340,7 +352,7 @@ def estimate(config: dict, setup: Setup) -> Estimate:
         states = optimizer / dp
         (host if s.offload else device)["optimizer states" + (" (offloaded)" if s.offload else "")] = states
         device["ZeRO buckets"] = min(T, s.reduce_bucket) * wb * 2 + min(P, s.allgather_bucket) * wb * (s.zero >= 1)
-    eva_trains = bool(c.get("eva_args")) and (s.lora_eva and s.lora_rank > 0 or s.train == "demo")
+    eva_trains = bool(c.get("eva_args")) and (s.lora_eva and not s.qlora and s.lora_rank > 0 or s.train == "demo")
     device.update(_activations(c, s, eva_trains))
     if s.device == "cuda":
         device["CUDA context, NCCL, allocator"] = GPU_RUNTIME
@@ -392,11 +404,17 @@ def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[fl
     zeros = [zero] if zero is not None else [0, 1, 2]
     offloads = [offload] if offload is not None else [False, True]
     batches = [micro_batch] if micro_batch else [1, 2, 4, 8]
+    qloras = [setup_fields.pop("qlora")] if "qlora" in setup_fields else [False, True]
+    if setup_fields.get("train", "lora") != "lora":
+        qloras = [q for q in qloras if not q]  # QLoRA trains the adapters only
     out = []
-    for mp, z, off, mb in itertools.product(mps, zeros, offloads, batches):
+    for mp, z, off, mb, q in itertools.product(mps, zeros, offloads, batches, qloras):
         if off and z == 0:
             continue  # DeepSpeed offloads the optimizer only under ZeRO
-        est = estimate(config, Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, **setup_fields))
+        if q and mp > 1:
+            continue  # an NF4 base has no model-parallel forward
+        est = estimate(config, Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, qlora=q,
+                                     **setup_fields))
         fits_gpu = est.per_gpu <= gpu_mem_gb * GB * (1 - GPU_MARGIN)
         fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
         reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
@@ -408,12 +426,12 @@ def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[fl
 
 def _preference(o: Option):
     s = o.estimate.setup
-    return (s.mp, s.offload, -s.micro_batch, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
+    return (s.qlora, s.mp, s.offload, -s.micro_batch, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
 
 
 def recommend(opts: List[Option]) -> Optional[Option]:
-    """The viable option with the smallest MP (most data parallelism), then no offload, then the
-    largest micro-batch, then ZeRO-2 (upstream's stage)."""
+    """The viable option without QLoRA if there is one (a bf16 base), with the smallest MP (most data
+    parallelism), then no offload, then the largest micro-batch, then ZeRO-2 (upstream's stage)."""
     viable = [o for o in opts if o.viable]
     return min(viable, key=_preference) if viable else None
 
@@ -441,7 +459,10 @@ def deepspeed_config(s: Setup) -> dict:
 
 def script_settings(s: Setup) -> Dict[str, str]:
     """Environment of upstream's finetune_*_lora.sh that realises ``s``."""
-    return {"NUM_GPUS_PER_WORKER": str(s.gpus), "MP_SIZE": str(s.mp), "LOCAL_WORLD_SIZE": str(s.gpus)}
+    settings = {"NUM_GPUS_PER_WORKER": str(s.gpus), "MP_SIZE": str(s.mp), "LOCAL_WORLD_SIZE": str(s.gpus)}
+    if s.qlora:
+        settings["QLORA"] = "1"
+    return settings
 
 
 # --------------------------------------------------------------------------------------
@@ -492,8 +513,16 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     groups = {}
     for o in opts:
         s = o.estimate.setup
-        groups.setdefault((s.mp, s.zero, s.offload), []).append(o)
-    for (mp, zero, off), group in groups.items():
+        groups.setdefault((s.qlora, s.mp, s.zero, s.offload), []).append(o)
+    bf16_fits = any(o.viable for o in opts if not o.estimate.setup.qlora)
+    qlora_fits = [o for o in opts if o.viable and o.estimate.setup.qlora]
+    headed = False
+    for (qlora, mp, zero, off), group in sorted(groups.items()):
+        if qlora and bf16_fits:
+            continue  # one screen: the QLoRA rows where nothing else fits, else one line below
+        if qlora and not headed:
+            lines.append("QLoRA (NF4 base, LoRA on the language model; EVA, embeddings and LM head in bf16):")
+            headed = True
         fitting = [o for o in group if o.viable]
         o = max(fitting, key=lambda o: o.estimate.setup.micro_batch) if fitting else min(
             group, key=lambda o: o.estimate.setup.micro_batch)
@@ -501,13 +530,18 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
         verdict = "ok" if o.viable else f"no: {o.reason}"
         lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  {_gb(e.per_gpu)}"
                      f"  {_gb(e.host_node):>12}  {_gb(e.host_stock_node):>22}  {verdict}")
+    if bf16_fits and qlora_fits:
+        q = min(qlora_fits, key=_preference).estimate
+        lines.append(f"QLoRA (QLORA=1) fits too: {q.per_gpu / GB:.1f} GB per GPU at MP_SIZE=1, micro-batch "
+                     f"{q.setup.micro_batch} (an NF4 base; --json lists its rows)")
     if best is None:
         lines.append("recommendation: nothing fits. Add GPUs (a larger MP_SIZE divides the weights), use cards "
                      "with more memory, or train fewer parameters (--train lora, a smaller --max-length).")
         return "\n".join(lines)
     s, e = best.estimate.setup, best.estimate
     env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
-    lines += [f"recommended: MP_SIZE={s.mp}, ZeRO-{s.zero}, {'optimizer offload to CPU' if s.offload else 'no offload'},"
+    lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
+              f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
               f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
               f"node with sat_patches (stock SwissArmyTransformer 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
               f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"

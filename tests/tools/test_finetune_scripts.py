@@ -39,9 +39,12 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "DS_CONFIG": "zero9.json"},
      "DS_CONFIG=zero9.json is neither a file nor one of the configs installed with sat_patches: set DS_CONFIG to one "
      "of low_memory.json, zero2.json, zero2_offload.json"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2", "QLORA": "1"},
+     "QLORA=1 with MP_SIZE=2: an NF4 base layer has no model-parallel forward; set MP_SIZE=1"),
+    ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "QLORA": "yes"}, "QLORA='yes': set QLORA=1"),
 ], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "trainable",
          "micro-batch",
-         "ds-config"])
+         "ds-config", "qlora-mp2", "qlora-word"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -58,6 +61,14 @@ def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
     for expected in ("--model-parallel-size 2", "--from_pretrained cogagent-chat", "--max_length 400",
                      "--lora_rank 50", "--train-iters 2000", "--version chat", "configs/zero2_offload.json"):
         assert expected in cmd
+
+
+def test_qlora_setting_passes_upstreams_use_qlora_at_mp1(tmp_path):
+    out = run(SCRIPTS["cogvlm"], {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1",
+                                  "QLORA": "1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert "--use_qlora" in cmd.split() and "--use_lora" not in cmd.split() and "--model-parallel-size 1" in cmd
 
 
 def _deepspeed_config_of(stdout):

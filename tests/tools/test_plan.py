@@ -71,7 +71,25 @@ def test_upstream_requirement_cogvlm_finetuning_4xA100_80G_or_8xRTX3090_24G():
 def test_upstream_requirement_cogagent_lora_about_8x24GB():
     best = _best("cogagent-chat", 8, 24)
     assert best is not None and best.estimate.setup.mp >= 2 and best.estimate.per_gpu <= 24e9
-    assert _best("cogagent-chat", 1, 24) is None
+    assert _best("cogagent-chat", 1, 24, qlora=False) is None  # with a bf16 base
+
+
+@pytest.mark.parametrize("name", ["cogvlm-base-490", "cogagent-chat"])
+def test_one_24GB_gpu_gets_qlora_and_its_settings(name):
+    from sat_patches.tools.cli import main
+    best = _best(name, 1, 24, host=32)
+    assert best.estimate.setup.qlora and best.estimate.setup.mp == 1 and best.estimate.per_gpu <= 24e9
+    assert plan.script_settings(best.estimate.setup)["QLORA"] == "1"
+    assert "weights (NF4)" in best.estimate.device
+    assert main(["plan", "--model", name, "--gpus", "1", "--gpu-mem", "24", "--host-mem", "32"]) == 0
+
+
+def test_qlora_only_at_mp1_and_never_for_the_demo_set():
+    opts = plan.options(plan.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288)
+    assert {o.estimate.setup.mp for o in opts if o.estimate.setup.qlora} == {1}
+    assert not any(o.estimate.setup.qlora for o in plan.options(plan.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288,
+                                                                 train="demo"))
+    assert not _best("cogvlm-base-490", 4, 80).estimate.setup.qlora  # a bf16 base where one fits
 
 
 def test_stock_sat_host_memory_matches_the_kill_9_reports():
@@ -112,7 +130,7 @@ def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
     assert "17.64 B parameters" in out and "recommended: MP_SIZE=2" in out
     assert "NUM_GPUS_PER_WORKER=8 MP_SIZE=2" in out and '"zero_optimization"' in out
     assert len(out.splitlines()) <= 30  # one screen
-    assert main(["plan", "--model", "cogagent-vqa", "--gpus", "1", "--gpu-mem", "24"]) == 1
+    assert main(["plan", "--model", "cogagent-vqa", "--gpus", "1", "--gpu-mem", "12"]) == 1
     assert "nothing fits" in capsys.readouterr().out
     assert main(["plan", "--model", "cogvlm-grounding-generalist", "--gpus", "4", "--gpu-mem", "80", "--zero", "2",
                  "--offload", "none", "--micro-batch", "2", "--json"]) == 0

@@ -24,10 +24,12 @@ def table_rows():
 
 
 def recommended(model, train, gpus, mem):
+    """(MP, DS_CONFIG, micro-batch, GB per GPU, QLoRA) of the plan's recommendation."""
     config = plan.resolve_model(model)
     best = plan.recommend(plan.options(config, gpus, mem, train=train, seq_len=plan.default_seq_len(config)))
     s = best.estimate.setup
-    return s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / plan.GB
+    return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / plan.GB,
+            s.qlora)
 
 
 @pytest.mark.parametrize("row", table_rows(), ids=lambda r: "-".join(r[:3]).replace(" ", ""))
@@ -37,8 +39,10 @@ def test_row_is_the_plans_recommendation(row):
     counts = [int(low)] + ([int(high)] if high else [])
     batches = [int(b) for b in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", micro_batch)]
     gb = [float(x) for x in per_gpu.split("–")]
+    qlora = "QLORA=1" in train
     for i, n in enumerate(counts):
-        got = recommended(MODELS[model], train, n, float(mem))
+        got = recommended(MODELS[model], train.split(",")[0], n, float(mem))
+        assert got[4] == qlora, (n, got)
         want_batch = batches[i] if len(batches) == len(counts) else batches[0]
         assert got[:3] == (int(mp), ds_config.strip("`"), want_batch), (n, got)
         assert min(gb) - 0.6 <= got[3] <= max(gb) + 0.6, (n, got)
