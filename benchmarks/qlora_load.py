@@ -37,23 +37,8 @@ TARGET = 0.5
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
-def save(path: str, cfg: dict) -> int:
-    """(one rank) The bf16 SAT checkpoint; returns its bytes."""
-    import torch
-    import torch.distributed as dist
-    from sat import mpu
-    from sat_patches.testing import expert_llama as el
-    dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(1)
-    args = el.build_args(el.config(**cfg), bf16=True, skip_init=True)
-    model = el.model_class()(args, params_dtype=torch.bfloat16).bfloat16()
-    el.fill_(model, seed=0)
-    el.write_checkpoint(model, el.config(**cfg), path)
-    return os.path.getsize(os.path.join(path, "1", "mp_rank_00_model_states.pt"))
-
-
 def measure(path: str, stream: bool) -> dict:
-    """(one rank) Upstream's QLoRA sequence; peak RSS above the idle baseline, and what became NF4."""
+    """(one rank) Upstream's QLoRA sequence on the checkpoint ``load_memory.save`` wrote; peak RSS above the idle baseline, and what became NF4."""
     import torch.distributed as dist
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.testing import expert_llama as el
@@ -109,7 +94,7 @@ def main(argv=None) -> int:
     cfg = SMALL if opts.small else FULL
     with tempfile.TemporaryDirectory(prefix="satp-qlora-", dir=opts.dir) as tmp:
         path = os.path.join(tmp, "ckpt")
-        [saved] = run_ranks("qlora_load:save", 1, args=(path, cfg), timeout=opts.timeout, fresh=True)
+        [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=opts.timeout, fresh=True)
         if not saved.ok:
             print(saved.output[-4000:])
             return 1
