@@ -91,22 +91,37 @@ def read_once(path: str) -> float:
     return time.perf_counter() - start
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def options(doc: str, argv=None) -> argparse.Namespace:
+    """The command line every checkpoint benchmark takes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a few-MB model (smoke test)")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=900)
-    opts = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def saved_checkpoint(tmp: str, cfg: dict, timeout: float):
+    """(path, bytes) of the bf16 checkpoint :func:`save` writes under ``tmp`` (in its own process);
+    None, with its output printed, when that fails."""
+    from sat_patches.testing import run_ranks
+    path = os.path.join(tmp, "ckpt")
+    [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=timeout, fresh=True)
+    if not saved.ok:
+        print(saved.output[-4000:])
+        return None
+    return path, saved.result
+
+
+def main(argv=None) -> int:
+    opts = options(__doc__, argv)
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
     with tempfile.TemporaryDirectory(prefix="satp-load-", dir=opts.dir) as tmp:
-        path = os.path.join(tmp, "ckpt")
-        [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=opts.timeout)
-        if not saved.ok:
-            print(saved.output[-4000:])
+        saved = saved_checkpoint(tmp, cfg, opts.timeout)
+        if saved is None:
             return 1
-        size = saved.result
+        path, size = saved
         file = os.path.join(path, "1", "mp_rank_00_model_states.pt")
         read_once(file)  # into the page cache, as the loads will find it
         read_s = min(read_once(file) for _ in range(3))

@@ -17,12 +17,12 @@ and this is what the device holds). The target is on the latter. Variants, each 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 
 from _memory import proc_status_bytes
+from load_memory import options, saved_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -84,21 +84,15 @@ class AnonPeak:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help="a few-MB model (smoke test)")
-    parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=900)
-    opts = parser.parse_args(argv)
+    opts = options(__doc__, argv)
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
     with tempfile.TemporaryDirectory(prefix="satp-qlora-", dir=opts.dir) as tmp:
-        path = os.path.join(tmp, "ckpt")
-        [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=opts.timeout, fresh=True)
-        if not saved.ok:
-            print(saved.output[-4000:])
+        saved = saved_checkpoint(tmp, cfg, opts.timeout)
+        if saved is None:
             return 1
-        size = saved.result
+        path, size = saved
         print(f"bf16 checkpoint: {size / 2**30:.3f} GiB ({cfg})\n")
         print(f"{'variant':<46}{'peak RSS - idle':>17}{'/ ckpt':>8}{'peak anon - idle':>18}{'/ ckpt':>8}  outcome")
         ok = True
