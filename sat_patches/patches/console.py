@@ -86,7 +86,7 @@ def _timers_log(original):
 
 def note_iteration(args, step) -> None:
     """Called with each progress line: the iteration the next timer row belongs to."""
-    _Run.directory, _Run.iteration = run_directory(args) or _Run.directory, step
+    _Run.directory, _Run.iteration = run_directory(args), step
 
 
 def _report_memory(original):
