@@ -22,6 +22,7 @@ every rank the same weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -100,16 +101,19 @@ def options(doc: str, argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def saved_checkpoint(tmp: str, cfg: dict, timeout: float):
-    """(path, bytes) of the bf16 checkpoint :func:`save` writes under ``tmp`` (in its own process);
-    None, with its output printed, when that fails."""
+@contextlib.contextmanager
+def saved_checkpoint(opts, prefix: str):
+    """``with saved_checkpoint(opts, prefix) as (path, size):`` the bf16 checkpoint :func:`save` writes
+    (in its own process) into a temporary directory under ``opts.dir``, removed afterwards; the
+    block gets ``None`` (and the output is printed) when writing fails."""
     from sat_patches.testing import run_ranks
-    path = os.path.join(tmp, "ckpt")
-    [saved] = run_ranks("load_memory:save", 1, args=(path, cfg), timeout=timeout, fresh=True)
-    if not saved.ok:
-        print(saved.output[-4000:])
-        return None
-    return path, saved.result
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=opts.dir) as tmp:
+        path = os.path.join(tmp, "ckpt")
+        [saved] = run_ranks("load_memory:save", 1, args=(path, SMALL if opts.small else FULL),
+                            timeout=opts.timeout, fresh=True)
+        if not saved.ok:
+            print(saved.output[-4000:])
+        yield (path, saved.result) if saved.ok else None
 
 
 def main(argv=None) -> int:
@@ -117,8 +121,7 @@ def main(argv=None) -> int:
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
-    with tempfile.TemporaryDirectory(prefix="satp-load-", dir=opts.dir) as tmp:
-        saved = saved_checkpoint(tmp, cfg, opts.timeout)
+    with saved_checkpoint(opts, "satp-load-") as saved:
         if saved is None:
             return 1
         path, size = saved

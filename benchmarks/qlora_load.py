@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 from _memory import proc_status_bytes
 from load_memory import options, saved_checkpoint
@@ -88,8 +87,7 @@ def main(argv=None) -> int:
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
-    with tempfile.TemporaryDirectory(prefix="satp-qlora-", dir=opts.dir) as tmp:
-        saved = saved_checkpoint(tmp, cfg, opts.timeout)
+    with saved_checkpoint(opts, "satp-qlora-") as saved:
         if saved is None:
             return 1
         path, size = saved
