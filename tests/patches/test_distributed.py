@@ -94,13 +94,17 @@ def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
     ckpt = str(tmp_path / "mp1")
     [saved] = run_ranks(save_mp1_checkpoint, 1, args=(ckpt,), timeout=120)
     assert saved.ok, saved.output[-3000:]
-    stock = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180,
-                      patches=["process_group_backend", "from_pretrained_rank_local"])
-    # the exact error on the rank that reaches a collective first; its peer may instead see the connection
-    # close when that rank exits (which one comes first depends on the machine's load)
-    assert not any(r.ok for r in stock)
-    assert any("No backend type associated with device type cpu" in (r.exception or "") for r in stock), \
-        [r.output[-3000:] for r in stock]
+    # stock SAT: the exact error on the rank that reaches a collective first; its peer may instead see the
+    # connection close when that rank exits, and on a loaded machine both ranks sometimes report only that:
+    # up to three stock runs, each of which must fail
+    for _ in range(3):
+        stock = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180,
+                          patches=["process_group_backend", "from_pretrained_rank_local"])
+        assert not any(r.ok for r in stock)
+        if any("No backend type associated with device type cpu" in (r.exception or "") for r in stock):
+            break
+    else:
+        raise AssertionError([r.output[-3000:] for r in stock])
     patched = run_ranks(from_pretrained_mp2_on_cuda_only_group, 2, args=(ckpt,), timeout=180)
     for r in patched:
         assert r.ok, r.output[-3000:]
