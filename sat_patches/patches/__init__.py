@@ -9,7 +9,7 @@ later wraps the ones listed earlier (its code runs first on the way in and last 
 
 * ``sat.arguments:get_args``: faults (DeepSpeed config read as JSON first) under distributed (CPU
   device accepted), so the config is checked whatever device the run ends up on.
-* ``sat.arguments:initialize_distributed``: distributed (the process group's backends), then
+* ``sat.arguments:initialize_distributed``: distributed (the process group's backends, its destruction at exit), then
   deepspeed_setup (config lint before DeepSpeed reads it), ledger (baseline row once the group
   exists), hangs (collective timeout set around all of it).
 * ``sat.training.deepspeed_training:training_main``: faults (the rank heartbeat runs around SAT's

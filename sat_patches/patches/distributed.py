@@ -7,6 +7,7 @@ with device type cpu`` (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). The p
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import warnings
@@ -50,6 +51,31 @@ def _initialize_distributed(original):
         result = original(args)
         if created:
             check_ranks_agree_on_device()
+        return result
+    return initialize_distributed
+
+
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group, if one is still there (registered with ``atexit``)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _destroy_at_exit(original):
+    """sat/arguments.py initialize_distributed: SAT creates the process group and never destroys it.
+
+    Neither SAT's ``training_main`` nor CogVLM's demos call ``destroy_process_group``. The group then
+    dies during interpreter teardown, and gloo's worker threads can abort the process there
+    (``terminate called without an active exception``, exit code -6, after the run succeeded;
+    pytorch/pytorch#190489). The group SAT creates is destroyed by an ``atexit`` handler instead, which
+    runs while the interpreter is still whole."""
+    @functools.wraps(original)
+    def initialize_distributed(args):
+        created = not dist.is_initialized()
+        result = original(args)
+        if created and dist.is_initialized():
+            atexit.unregister(destroy_group_at_exit)  # once, however often a group is created
+            atexit.register(destroy_group_at_exit)
         return result
     return initialize_distributed
 
@@ -185,6 +211,10 @@ PATCHES = [
     Patch("process_group_backend", "sat.arguments:initialize_distributed", _initialize_distributed,
           answers="THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173: No backend type associated with device type cpu",
           expect=expect_names("init_process_group", "distributed_backend")),
+    Patch("destroy_group_at_exit", "sat.arguments:initialize_distributed", _destroy_at_exit,
+          answers="SAT never destroys its process group: gloo aborts the process at interpreter exit "
+                  "(pytorch/pytorch#190489)",
+          expect=expect_names("init_process_group")),
     Patch("explain_sync_collective",
           "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
           _setup_with_explained_sync,

@@ -156,3 +156,25 @@ def test_local_rank_beyond_the_visible_gpus_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=2 but host \S+ sees 2 CUDA device\(s\) "
                                            r"\(CUDA_VISIBLE_DEVICES '0,1'\).*to 2"):
         devices.compute_device()
+
+
+def group_left_after_exit_handlers():
+    """SAT's model-only start (``_simple_init``, as ``merge`` and the checkout check use it), then the
+    interpreter's exit handlers: is the process group still alive for teardown to destroy?"""
+    import atexit
+    import torch.distributed as dist
+    from sat.arguments import _simple_init
+    _simple_init(model_parallel_size=1, seed=1)
+    assert dist.is_initialized()
+    atexit._run_exitfuncs()
+    return dist.is_initialized()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("patched", [True, False])
+def test_the_process_group_is_destroyed_before_interpreter_teardown(patched):
+    """Left to teardown, gloo's threads can abort a run that succeeded (exit code -6)."""
+    (r,) = run_ranks(group_left_after_exit_handlers, 1, timeout=120,
+                     patches=True if patched else ["destroy_group_at_exit"])
+    assert r.result is not None, (r.exception or "") + r.output[-3000:]
+    assert r.result is (not patched)
