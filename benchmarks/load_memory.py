@@ -102,14 +102,14 @@ def options(doc: str, argv=None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def saved_checkpoint(opts, prefix: str):
-    """``with saved_checkpoint(opts, prefix) as (path, size):`` the bf16 checkpoint :func:`save` writes
+def saved_checkpoint(opts, prefix: str, cfg: dict):
+    """``with saved_checkpoint(opts, prefix, cfg) as (path, size):`` the bf16 checkpoint of ``cfg`` :func:`save` writes
     (in its own process) into a temporary directory under ``opts.dir``, removed afterwards; the
     block gets ``None`` (and the output is printed) when writing fails."""
     from sat_patches.testing import run_ranks
     with tempfile.TemporaryDirectory(prefix=prefix, dir=opts.dir) as tmp:
         path = os.path.join(tmp, "ckpt")
-        [saved] = run_ranks("load_memory:save", 1, args=(path, SMALL if opts.small else FULL),
+        [saved] = run_ranks("load_memory:save", 1, args=(path, cfg),
                             timeout=opts.timeout, fresh=True)
         if not saved.ok:
             print(saved.output[-4000:])
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
-    with saved_checkpoint(opts, "satp-load-") as saved:
+    with saved_checkpoint(opts, "satp-load-", cfg) as saved:
         if saved is None:
             return 1
         path, size = saved

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     from sat_patches.testing import run_ranks
 
     cfg = SMALL if opts.small else FULL
-    with saved_checkpoint(opts, "satp-qlora-") as saved:
+    with saved_checkpoint(opts, "satp-qlora-", cfg) as saved:
         if saved is None:
             return 1
         path, size = saved

@@ -12,8 +12,10 @@ status -- instead of waiting 30 minutes (gloo) or until someone kills the job, a
 * Every rank's watchdog thread polls the store: when another rank posted a timeout, this rank dumps
   its own stacks (showing what it was doing instead: a rank stuck in preprocessing is named too) and
   exits with the same status.
-* Backstops that need no Python: ``faulthandler.dump_traceback_later`` (timeout + grace, exits) around
-  each timed collective, and ``faulthandler.enable()`` so NCCL's abort (SIGABRT) prints stacks.
+* Backstops that need no Python: ``faulthandler.dump_traceback_later`` (exits at timeout + grace after
+  the oldest collective still running on the main thread; armed when one starts, moved on and cancelled
+  by the watchdog thread, so that a collective costs no thread of faulthandler's own), and
+  ``faulthandler.enable()`` so NCCL's abort (SIGABRT) prints stacks.
 
 CUDA collectives with NCCL return before they complete; there NCCL's watchdog enforces the timeout
 and the SIGABRT dump applies (not exercised on this project's CPU-only CI).
@@ -59,6 +61,8 @@ class Watchdog:
         self.fired = threading.Lock()
         self.stop = threading.Event()
         self.store_failures = 0
+        self.backstop_lock = threading.Lock()
+        self.backstop_at: Optional[float] = None     # when faulthandler's backstop exits the process
         self.thread = threading.Thread(target=self._run, name="sat_patches-hang-watchdog", daemon=True)
 
     # -- the timed region around one collective --------------------------------------
@@ -68,17 +72,39 @@ class Watchdog:
             self.local.depth += 1
             return False
         self.local.depth = 1
-        self.inflight[threading.get_ident()] = (name, time.monotonic())
-        if threading.current_thread() is threading.main_thread():
-            faulthandler.dump_traceback_later(min(self.timeout + GRACE, MAX_BACKSTOP), exit=True, file=sys.stderr)
+        started = time.monotonic()
+        self.inflight[threading.get_ident()] = (name, started)
+        at = started + self.timeout + GRACE
+        # re-armed at most once per poll interval however many collectives run
+        if threading.current_thread() is threading.main_thread() and (
+                self.backstop_at is None or self.backstop_at < at - self.poll):
+            with self.backstop_lock:
+                self._arm_backstop(at)
         return True
 
     def leave(self, outermost: bool) -> None:
         self.local.depth -= 1
         if outermost:
-            self.inflight.pop(threading.get_ident(), None)
-            if threading.current_thread() is threading.main_thread():
-                faulthandler.cancel_dump_traceback_later()
+            self.inflight.pop(threading.get_ident(), None)  # the backstop moves on at the watchdog's next look
+
+    # -- faulthandler's backstop ---------------------------------------------------------
+    def _arm_backstop(self, at: Optional[float]) -> None:
+        """(holding ``backstop_lock``) Exit with stacks at monotonic time ``at``; None: never."""
+        if at is None:
+            faulthandler.cancel_dump_traceback_later()
+        else:
+            delay = min(max(at - time.monotonic(), 1.0), MAX_BACKSTOP)
+            faulthandler.dump_traceback_later(delay, exit=True, file=sys.stderr)
+        self.backstop_at = at
+
+    def _move_backstop(self) -> None:
+        """Timeout + grace after the main thread's running collective; cancelled when there is none."""
+        main = self.inflight.get(threading.main_thread().ident)
+        with self.backstop_lock:
+            wanted = None if main is None else main[1] + self.timeout + GRACE
+            if wanted != self.backstop_at and (wanted is None or self.backstop_at is None
+                                               or abs(wanted - self.backstop_at) > self.poll):
+                self._arm_backstop(wanted)
 
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -86,6 +112,7 @@ class Watchdog:
             for thread_id, (name, started) in list(self.inflight.items()):
                 if time.monotonic() - started > self.timeout:
                     fire(f"collective '{name}' did not complete within {self.timeout:g} s", thread_id, leader=True)
+            self._move_backstop()
             posted = self._posted()
             if posted is not None:
                 thread_id = next(iter(self.inflight), threading.main_thread().ident)

@@ -243,6 +243,11 @@ def merge_linear_lora(lin, chunk_bytes: Optional[int] = None):
 # QLoRA (bitsandbytes NF4)
 # --------------------------------------------------------------------------------------
 
+# Elements quantised at a time on CPU: bitsandbytes' CPU ``quantize_4bit`` (pure torch) holds about 11 bytes of
+# temporaries per element of its input, over 100 MB for one LLaMA MLP weight.
+CPU_QUANTIZE_CHUNK = 2 ** 20
+
+
 def nf4_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
     """A bitsandbytes ``LinearNF4`` holding ``weight`` quantised on its own device; ``bias`` by reference."""
     from bitsandbytes.nn import LinearNF4, Params4bit
@@ -250,11 +255,47 @@ def nf4_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
         raise ValueError("QLoRA quantises the base weights: load them before adding LoRA (they are on meta)")
     out_features, in_features = weight.shape
     layer = LinearNF4(in_features, out_features, bias=False, compute_dtype=weight.dtype, device="meta")
-    layer.weight = Params4bit(weight.detach(), requires_grad=False, quant_type="nf4",
-                              compress_statistics=layer.weight.compress_statistics,
-                              quant_storage=layer.quant_storage, module=layer).to(weight.device)
+    template = layer.weight
+    if weight.device.type == "cpu":
+        packed, state = quantize_nf4_in_chunks(weight.detach(), template.blocksize, template.quant_storage)
+        layer.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=template.blocksize,
+                                  compress_statistics=True, quant_type="nf4", quant_storage=template.quant_storage,
+                                  module=layer, bnb_quantized=True)
+        layer.quant_state = state
+    else:
+        layer.weight = Params4bit(weight.detach(), requires_grad=False, quant_type="nf4",
+                                  compress_statistics=template.compress_statistics,
+                                  quant_storage=template.quant_storage, module=layer).to(weight.device)
     layer.bias = bias
     return layer
+
+
+def quantize_nf4_in_chunks(weight: torch.Tensor, blocksize: int, storage: torch.dtype,
+                           chunk: Optional[int] = None):
+    """``bitsandbytes.functional.quantize_4bit(weight, blocksize, compress_statistics=True, quant_type="nf4")``,
+    bit for bit, with its temporaries bounded to ``chunk`` elements.
+
+    NF4 quantises every block of ``blocksize`` elements on its own (the block's absmax and its 4-bit
+    codes), so quantising whole blocks a chunk at a time gives the same codes and absmax. Only the
+    double quantisation of the absmax vector looks at all of it (its offset is the mean), and it runs
+    once on the whole, small vector, as bitsandbytes does.
+    """
+    import bitsandbytes.functional as bnbf
+    flat, chunk = weight.reshape(-1), chunk or CPU_QUANTIZE_CHUNK
+    step = max(blocksize, chunk - chunk % blocksize)
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), step):
+        codes, block_absmax = torch.ops.bitsandbytes.quantize_4bit.default(
+            flat[start:start + step], blocksize, "nf4", storage)
+        packed.append(codes)
+        absmax.append(block_absmax)
+    packed = torch.cat(packed) if len(packed) > 1 else packed[0]
+    absmax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
+    offset = absmax.mean()
+    quantised_absmax, state2 = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
+    return packed, bnbf.QuantState(absmax=quantised_absmax, shape=weight.shape, dtype=weight.dtype,
+                                   blocksize=blocksize, code=bnbf.get_4bit_type("nf4", device=weight.device),
+                                   quant_type="nf4", offset=offset, state2=state2)
 
 
 def quantize_nf4(layer: nn.Module) -> nn.Module:

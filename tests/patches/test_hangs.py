@@ -116,6 +116,25 @@ def test_each_collective_is_timed_by_the_watchdog(name, monkeypatch):
     assert name not in recorder.entered[1:]  # (broadcast_object_list's inner broadcasts are still timed)
 
 
+def test_the_backstop_is_armed_once_for_many_collectives_and_cancelled_when_idle(monkeypatch):
+    """faulthandler starts (and joins) a thread of its own at every arming: a timed collective must not
+    arm it each time (that cost several ms per training step)."""
+    import faulthandler
+    armed, cancelled = [], []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda delay, **kw: armed.append(delay))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: cancelled.append(1))
+    watchdog = hangs.Watchdog(timeout=600.0, poll=1.0)
+    for _ in range(100):
+        watchdog.leave(watchdog.enter("all_reduce"))
+    assert len(armed) == 1 and 600 < armed[0] <= 600 + hangs.GRACE and not cancelled
+    watchdog._move_backstop()       # the watchdog's look: nothing runs now
+    assert cancelled == [1] and watchdog.backstop_at is None
+    outermost = watchdog.enter("barrier")
+    watchdog._move_backstop()       # a collective runs: its deadline stays
+    assert len(armed) == 2 and cancelled == [1]
+    watchdog.leave(outermost)
+
+
 def test_timeout_setting_is_validated(monkeypatch):
     monkeypatch.setenv(hangs.ENV, "0")
     with pytest.raises(ValueError, match="positive number of seconds"):

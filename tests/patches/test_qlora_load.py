@@ -104,3 +104,29 @@ def test_mp2_with_nf4_is_refused_before_loading(monkeypatch):
     model.transformer = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="use MP_SIZE=1"):
         lora.nf4_as_loaded(model, argparse.Namespace(use_qlora=True))
+
+
+def test_cpu_quantisation_gives_bitsandbytes_bits_a_bounded_chunk_at_a_time(monkeypatch):
+    """bitsandbytes' CPU quantiser holds ~11 bytes per input element: it only ever sees a chunk, and the
+    NF4 weight (codes, absmax, double-quantised statistics) is the one it makes of the whole tensor."""
+    import bitsandbytes.functional as bnbf
+    weight = torch.randn(300, 200, dtype=torch.bfloat16)
+    expected, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    seen, op = [], torch.ops.bitsandbytes.quantize_4bit
+
+    class Counting:
+        @staticmethod
+        def default(A, *args):
+            seen.append(A.numel())
+            return op.default(A, *args)
+    monkeypatch.setattr(torch.ops.bitsandbytes, "quantize_4bit", Counting)
+    monkeypatch.setattr(lora, "CPU_QUANTIZE_CHUNK", 4096)
+    layer = lora.nf4_linear(weight, None)
+    assert len(seen) == 15 and max(seen) == 4096, seen
+    got = layer.weight
+    assert torch.equal(got.data, expected)
+    for name in ("absmax", "offset", "shape", "dtype", "blocksize", "quant_type"):
+        assert torch.equal(*(torch.as_tensor(getattr(s, name)) for s in (got.quant_state, state))) \
+            if isinstance(getattr(state, name), torch.Tensor) else getattr(got.quant_state, name) == getattr(state, name)
+    assert torch.equal(got.quant_state.state2.absmax, state.state2.absmax)
+    assert torch.equal(bnbf.dequantize_4bit(got.data, got.quant_state), bnbf.dequantize_4bit(expected, state))
