@@ -141,45 +141,30 @@ def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> Li
 # --------------------------------------------------------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_READ = 4, 14, 22
-_HUGE = 2 * 2**20
+_MADV_DONTNEED = 4
 
 
-def _advise(view: torch.Tensor, advice: int) -> None:
-    """``madvise`` the pages ``view`` spans (Linux; advice the kernel does not know is ignored)."""
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages of a memory-mapped checkpoint that ``view`` spans from this process's RSS (they
+    are clean file pages: touched again, they are read again). Only for tensors of a mapped file."""
     if _libc is None or view.numel() == 0:
         return
     extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
     start, end = view.data_ptr(), view.data_ptr() + extent * view.element_size()
     page = mmap.PAGESIZE
     start, end = start // page * page, -(-end // page) * page
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
-
-
-def release_pages(view: torch.Tensor) -> None:
-    """Drop the pages of a memory-mapped checkpoint that ``view`` spans from this process's RSS (they
-    are clean file pages: touched again, they are read again). Only for tensors of a mapped file."""
-    _advise(view, _MADV_DONTNEED)
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, mapped: bool) -> None:
-    """``dst.copy_(src)`` in chunks along dim 0, releasing each chunk's mapped pages.
-
-    Page faults, not the copy, cost most of a load from the page cache: one per 4 KiB page of the
-    mapped file and of a new host tensor. Each mapped chunk is mapped in one call before it is read
-    (``MADV_POPULATE_READ``), and a host destination is backed by huge pages where the kernel allows
-    (``MADV_HUGEPAGE``)."""
+    """``dst.copy_(src)`` in chunks along dim 0, releasing each chunk's mapped pages."""
     if src.dim() == 0 or src.numel() == 0:
         dst.copy_(src)
         return
-    if dst.device.type == "cpu" and dst.numel() * dst.element_size() >= _HUGE:
-        _advise(dst, _MADV_HUGEPAGE)
     row = max(1, src[0].numel() * src.element_size())
     step = max(1, CHUNK_BYTES // row)
     for i in range(0, src.shape[0], step):
         chunk = src[i:i + step]
-        if mapped:
-            _advise(chunk, _MADV_POPULATE_READ)
         dst[i:i + step].copy_(chunk)
         if mapped:
             release_pages(chunk)
