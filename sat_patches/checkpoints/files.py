@@ -65,9 +65,11 @@ def find_checkpoint(load_path: str, specific_iteration: Optional[int] = None) ->
         iteration, release = _read_latest(load_path, entries)
     folder = os.path.join(load_path, "release" if release else str(iteration))
     if not os.path.isdir(folder):
+        saved = sorted((int(e) for e in entries if e.isdigit() and os.path.isdir(os.path.join(load_path, e))))
         raise CheckpointError(f"'{load_path}' has no directory '{os.path.basename(folder)}' for iteration "
-                              f"{'release' if release else iteration} (from 'latest' or specific_iteration): "
-                              f"fix 'latest' or restore that directory")
+                              f"{'release' if release else iteration} (from 'latest', or --iteration): saved "
+                              f"iterations: {', '.join(map(str, saved)) or 'none'}; choose one of them, or fix "
+                              f"'latest' or restore that directory")
     shards = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder) if (m := _SHARD.match(f))}
     if not shards:
         raise CheckpointError(f"'{folder}' holds no mp_rank_XX_model_states.pt (it has: "

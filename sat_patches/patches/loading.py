@@ -68,6 +68,8 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     this rank's slices from mapped files at any model-parallel size. With ``all_ranks`` (every rank
     loads: ``from_pretrained``, ``training_main``) the ranks meet at a :func:`barrier` afterwards."""
     from sat.helpers import print_rank0
+    if load_path is None and specific_iteration is None:  # training_main's --load: --iteration chooses
+        specific_iteration = getattr(args, "load_iteration", None)
     source = source or open_source(find_checkpoint(load_path or args.load, specific_iteration), prefix)
     ckpt = source.ckpt
     mode = getattr(args, "mode", "inference")

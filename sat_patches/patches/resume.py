@@ -25,6 +25,9 @@ What SwissArmyTransformer 0.4.12 loses on resume (``sat/training``), each answer
   first batch again. Every training loader now honours ``start_iter``, and resuming sets
   ``resume_dataloader`` (a continued run is meant to continue, not to re-read its first batches).
 
+* ``resume_iteration_arg`` -- which iteration. SAT resumes from the iteration named in ``latest`` only;
+  ``--iteration N`` (with ``--load <run>``) resumes from the saved ``<run>/N`` instead, just as exactly.
+
 ZeRO-3 runs keep SAT's own save and load. Exactness assumes the same world size, model-parallel size and batch settings as the stopped run
 (DeepSpeed refuses a ZeRO checkpoint of another data-parallel size with its own message), and a
 checkpoint saved without ``--no-save-rng``. A checkpoint written by stock SAT has no optimizer shards:
@@ -41,7 +44,7 @@ import torch
 
 from ..checkpoints import safe_load
 from ..checkpoints.files import CheckpointError
-from ..core.registry import Patch, SatPatchesWarning, expect_names
+from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
 
 
 def resuming(args) -> bool:
@@ -294,6 +297,18 @@ def _make_data_loader(original):
     return make_data_loader
 
 
+def _add_training_args(original):
+    """sat/arguments.py add_training_args: ``--load`` always follows ``latest``; add ``--iteration``."""
+    @functools.wraps(original)
+    def add_training_args(parser):
+        parser = original(parser)
+        parser.add_argument("--iteration", dest="load_iteration", type=int, default=None, metavar="N",
+                            help="with --load: resume from the saved iteration N instead of the one 'latest' "
+                                 "names (sat_patches)")
+        return parser
+    return add_training_args
+
+
 PATCHES = [
     Patch("resume_optimizer_save", "sat.training.model_io:save_checkpoint", _save_checkpoint,
           answers="resume (stock SAT): SAT's save_ds_checkpoint_no_optim writes no ZeRO optimizer shards; every rank "
@@ -321,4 +336,8 @@ PATCHES = [
           answers="resume (stock SAT): --resume-dataloader's start_iter is read only by DistributedBatchSampler; with "
                   "one data-parallel rank (MP=2 on 2 GPUs) a resumed run re-reads its first batches",
           expect=expect_names("DistributedBatchSampler", "BatchSampler")),
+    Patch("resume_iteration_arg", "sat.arguments:add_training_args", _add_training_args,
+          answers="resume (stock SAT): --load resumes only from the iteration 'latest' names; --iteration N "
+                  "chooses another saved one",
+          expect=expect_params("parser")),
 ]

@@ -96,6 +96,22 @@ def no_gpu_message(env: dict, per_node: int, visible: Optional[int]) -> str:
             f"to how many to use, or run on CPU ranks instead: CPU_RANKS=2 bash {script} ({cpu_run}).")
 
 
+def resume_errors(env: dict) -> List[str]:
+    """``RESUME`` names a run directory (it holds ``latest``); ``RESUME_ITERATION`` one of its saved iterations."""
+    run, iteration = env.get("RESUME", ""), env.get("RESUME_ITERATION", "")
+    if not run:
+        return ["RESUME_ITERATION needs RESUME=<the run directory to continue> (a directory under SAVE_DIR)."] \
+            if iteration else []
+    if not os.path.isfile(os.path.join(run, "latest")):
+        return [f"RESUME={run} is not a directory of saved iterations (it has no 'latest'): set RESUME to the "
+                f"directory a run saved into (under SAVE_DIR)."]
+    if iteration and not (iteration.isdigit() and os.path.isdir(os.path.join(run, iteration))):
+        saved = sorted(int(d) for d in os.listdir(run) if d.isdigit())
+        return [f"RESUME_ITERATION={iteration}: {run} holds iterations {', '.join(map(str, saved)) or 'none'}: "
+                f"set RESUME_ITERATION to one of them, or unset it to continue from 'latest'."]
+    return []
+
+
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")
@@ -144,6 +160,7 @@ def check(env: dict) -> List[str]:
         shipped = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".json") and n != "cpu_demo.json")
         errors.append(f"DS_CONFIG={ds_config} is neither a file nor one of the configs installed with sat_patches: "
                       f"set DS_CONFIG to one of {', '.join(shipped)} or to the path of your own DeepSpeed config.")
+    errors += resume_errors(env)
     hostfile = env.get("HOST_FILE")
     if hostfile and not os.path.isfile(hostfile):
         errors.append(f"HOST_FILE={hostfile} does not exist: create it (lines 'host slots=N') or unset HOST_FILE "

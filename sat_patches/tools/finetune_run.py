@@ -42,6 +42,8 @@ DEFAULTS = {
     "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
     "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
+    "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
+    "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -157,11 +159,22 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"])),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
+    opts += resume_options(env)
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
     if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":
         opts += ["--checkpoint-activations", "--vit_checkpoint_activations"]
     return opts + shlex.split(env.get("EXTRA_ARGS", ""))
+
+
+def resume_options(env: Dict[str, str]) -> List[str]:
+    """``RESUME=<run directory>`` continues that run exactly (``--mode pretrain --load``, which replaces
+    ``--mode finetune``: the later option wins); ``RESUME_ITERATION=N`` from its saved iteration N
+    (both checked by :func:`sat_patches.tools.finetune_check.resume_errors`)."""
+    if not env.get("RESUME"):
+        return []
+    iteration = env.get("RESUME_ITERATION", "")
+    return ["--mode", "pretrain", "--load", env["RESUME"]] + (["--iteration", iteration] if iteration else [])
 
 
 def deepspeed_command(env: Dict[str, str], program: List[str], options: List[str]) -> List[str]:

@@ -52,6 +52,24 @@ def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     assert "+ " not in out.stdout  # nothing launched
 
 
+def test_resume_settings_continue_a_saved_run_from_the_chosen_iteration(tmp_path):
+    run_dir = tmp_path / "checkpoints" / "finetune-run"
+    for it in ("2", "4"):
+        (run_dir / it).mkdir(parents=True)
+    (run_dir / "latest").write_text("4")
+    gpus = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1"}
+    out = run(SCRIPTS["cogvlm"], dict(gpus, RESUME=str(run_dir), RESUME_ITERATION="2"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert cmd.endswith(f"--mode pretrain --load {run_dir} --iteration 2") or \
+        f"--mode pretrain --load {run_dir} --iteration 2 " in cmd, cmd
+    for env, message in (({"RESUME_ITERATION": "2"}, "RESUME_ITERATION needs RESUME="),
+                         ({"RESUME": str(tmp_path)}, "is not a directory of saved iterations"),
+                         ({"RESUME": str(run_dir), "RESUME_ITERATION": "3"}, "holds iterations 2, 4: set")):
+        out = run(SCRIPTS["cogvlm"], dict(gpus, **env), cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
 def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
     out = run(SCRIPTS["cogagent"], {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2",
                                    "MP_SIZE": "2", "DS_CONFIG": "zero2_offload.json"}, cwd=tmp_path)
