@@ -110,7 +110,7 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=KINDS, default=kind)
     p.add_argument("--max_length", type=int)
     p.add_argument("--ignore_pad_token_for_loss", action="store_false")
-    p.add_argument("--version", type=str, default="base", help="prompt template: base, chat, vqa, chatqa")
+    p.add_argument("--version", type=str, default="base", help="prompt template: base, chat, vqa, chat_old")
     p.add_argument("--from_pretrained", type=str, default="cogvlm-base-490", help="pretrained checkpoint")
     p.add_argument("--local_tokenizer", type=str, default="lmsys/vicuna-7b-v1.5", help="tokenizer path")
     p.add_argument("--vit_checkpoint_activations", action="store_true")
@@ -149,15 +149,19 @@ def add_lora(model, args):
                   reinit=True)
 
 
-def create_dataset_function(image_processor, text_processor, cross_image_processor, path, args):
-    from .cogvlm import ItemDataset
-    return ItemDataset(image_processor, text_processor, args, path, cross_image_processor=cross_image_processor)
+def check_data(args) -> None:
+    """Every training and validation path is usable (JSONL records checked, a folder has a readable image);
+    raises :class:`sat_patches.data.jsonl.DataError` naming each problem."""
+    from .data.jsonl import DataError, check_data_path
+    problems = [p for path in (args.train_data or []) + (args.valid_data or []) for p in check_data_path(path)]
+    if problems:
+        raise DataError("\n".join(problems))
 
 
 def train(argv) -> int:
     from sat import get_args
     from sat.training.deepspeed_training import training_main
-    from .cogvlm import data_collator, llama2_tokenizer, model_class_for
+    from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for
     kind = _kind_of(argv)
     os.environ.setdefault("SAT_PATCHES_TRAINABLE", "lora")  # this trainer's default: the adapters only
     known, rest = demo_parser(kind).parse_known_args(argv)
@@ -165,6 +169,7 @@ def train(argv) -> int:
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built
     args = get_args(rest)
     args = argparse.Namespace(**vars(args), **vars(known))
+    check_data(args)  # an empty or broken data set stops here, before the model is built
     if args.use_qlora:
         args.device = "cpu"  # as upstream's demo does; sat_patches keeps the model on the compute device
     cls = model_class_for(kind)
@@ -184,8 +189,8 @@ def train(argv) -> int:
 
 
 def probe_batch(args, image, text, cross):
-    from .cogvlm import ItemDataset, data_collator
-    dataset = ItemDataset(image, text, args, args.valid_data[0], cross_image_processor=cross)
+    from .cogvlm import create_dataset_function, data_collator
+    dataset = create_dataset_function(image, text, cross, args.valid_data[0], args)
     return data_collator([dataset[0]], cross_image_processor=cross)
 
 

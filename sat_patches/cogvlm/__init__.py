@@ -18,6 +18,7 @@ Modules, one concern each:
     tokenizer        tiny sentencepiece tokenizer, ``llama2_tokenizer`` loader
     captcha_data     CAPTCHA image folder generator (PyPI ``captcha``)
     dataset          ``ItemDataset`` and ``data_collator``
+    jsonl_dataset    ``JsonlDataset`` (conversations in JSON Lines) and ``create_dataset_function``
     tiny             one-call preparation of a tiny run's model/tokenizer/data folders
 
 Tiny run, as upstream's ``finetune_demo`` does it (``args`` from ``sat.get_args`` plus the demo's
@@ -45,6 +46,7 @@ from .eva_clip import EVA2CLIPModel
 from .eva_clip_large import EVA_CLIP_L_DEFAULTS, ExternalVisionModel
 from .image_mixin import GLU, ImageMixin, vision_args
 from .image_processor import BlipImageEvalProcessor, get_image_processor
+from .jsonl_dataset import JsonlDataset, create_dataset_function
 from .models import CogAgentModel, CogVLMModel, FineTuneTrainCogAgentModel, FineTuneTrainCogVLMModel
 from .text_processor import TextProcessor, llama2_text_processor
 from .tiny import TinyRun, build_tiny_model, prepare_tiny_run
@@ -56,6 +58,7 @@ __all__ = [
     "read_model_config", "save_pretrained_dir", "tiny_args", "tiny_config", "write_model_config",
     "EmptyDatasetError", "ItemDataset", "data_collator", "EVA2CLIPModel", "EVA_CLIP_L_DEFAULTS",
     "ExternalVisionModel", "GLU", "ImageMixin", "vision_args", "BlipImageEvalProcessor", "get_image_processor",
+    "JsonlDataset", "create_dataset_function",
     "CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel", "TextProcessor",
     "llama2_text_processor", "TinyRun", "build_tiny_model", "prepare_tiny_run", "check_vocab",
     "llama2_tokenizer", "train_tiny_tokenizer", "LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin",

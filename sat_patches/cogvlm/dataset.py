@@ -27,8 +27,7 @@ PROMPT = "CAPTCHA:"
 IMAGE_SUFFIXES = (".jpg",)
 
 
-class EmptyDatasetError(ValueError):
-    """No usable image in the data folder."""
+from ..data.jsonl import EmptyDatasetError  # noqa: F401  (one error for every kind of data)
 
 
 def find_images(path: str, suffixes=IMAGE_SUFFIXES) -> List[str]:
@@ -90,6 +89,12 @@ class ItemDataset(Dataset):
 
     def __getitem__(self, index):
         path = self.data[index]
+        label = self.label_of(path)
+        return self.item(path, label, self.prompt, label)
+
+    def item(self, path: str, answer: str, prompt: str, question_id: str) -> dict:
+        """The image inputs of ``path`` and the text processor's output for ``answer`` after ``prompt``;
+        upstream's empty item when the image became unreadable or the text does not fit."""
         try:
             image = load_rgb(path)
         except Exception as exc:  # changed since the data set was built: upstream's empty item
@@ -99,12 +104,11 @@ class ItemDataset(Dataset):
         item = {"vision": self.image_processor(image)}
         if self.cross_image_processor is not None:
             item["cross"] = self.cross_image_processor(image)
-        label = self.label_of(path)
-        text = self.text_processor(label, self.prompt)
+        text = self.text_processor(answer, prompt)
         if text is None:
             logger.warning("text of %s does not fit max_target_length", path)
             return {}
-        return {**item, **text, "question_id": label}
+        return {**item, **text, "question_id": question_id}
 
 
 def _as_tensor(value):

@@ -29,15 +29,17 @@ def chat_prompt(query: str, history: List[Tuple[str, str]]) -> str:
 
 
 def vqa_prompt(query: str, history: List[Tuple[str, str]]) -> str:
-    return f"{IMAGE_TAG} Question: {query} Short answer: "
+    return f"{IMAGE_TAG}Question: {query} Short answer:"  # one question: upstream keeps no history here
 
 
-def chatqa_prompt(query: str, history: List[Tuple[str, str]]) -> str:
+def chat_old_prompt(query: str, history: List[Tuple[str, str]]) -> str:
     turns = "".join(f"{q} Answer: {a}\nQuestion: " for q, a in history)
-    return f"{IMAGE_TAG} Question: {turns}{query} Answer: "
+    return f"{IMAGE_TAG}Question: {turns}{query} Answer:"
 
 
-PROMPT_TEMPLATES = {"base": base_prompt, "chat": chat_prompt, "vqa": vqa_prompt, "chatqa": chatqa_prompt}
+PROMPT_TEMPLATES = {"base": base_prompt, "chat": chat_prompt, "vqa": vqa_prompt, "chat_old": chat_old_prompt}
+"""Upstream's ``_history_to_prompt`` (CogVLM ``utils/utils/language.py``); ``chat_old`` is CogVLM v1.1's chat
+format. ``base`` and ``vqa`` keep no history: a conversation's earlier turns are dropped there."""
 
 
 class TextProcessor:

@@ -25,6 +25,15 @@ class TinyRun:
     valid_dir: str
     max_length: int = TINY_MAX_LENGTH
 
+    @property
+    def train_jsonl(self) -> str:
+        """The training CAPTCHAs as conversations (:func:`write_captcha_conversations`)."""
+        return os.path.join(os.path.dirname(self.train_dir), "train.jsonl")
+
+    @property
+    def valid_jsonl(self) -> str:
+        return os.path.join(os.path.dirname(self.valid_dir), "valid.jsonl")
+
 
 def build_tiny_model(kind: str = "cogvlm", **overrides):
     """``(model, args)`` of the tiny FineTuneTrain model, built with SAT's ``get_model``."""
@@ -44,4 +53,27 @@ def prepare_tiny_run(workdir: str, kind: str = "cogvlm", n_train: int = 64, n_va
     model, args = build_tiny_model(kind, seed=1234 + seed)  # SAT needs a seed > 0
     check_vocab(llama2_tokenizer(run.tokenizer_dir), args.vocab_size, args.pad_token_id)
     save_pretrained_dir(model, args, run.model_dir)
+    write_captcha_conversations(run.train_dir, run.train_jsonl)
+    write_captcha_conversations(run.valid_dir, run.valid_jsonl, turns=False)
     return run
+
+
+def write_captcha_conversations(images: str, path: str, turns: bool = True) -> int:
+    """A JSONL file of the CAPTCHA images in ``images`` (``sat_patches.data.jsonl``'s format): the
+    answer to ``CAPTCHA:`` is the label; with ``turns``, every third record is a two-turn conversation
+    (the number of characters, then the label) and every third a grounding question (a box in CogVLM's
+    ``[[x0,y0,x1,y1]]`` form). Returns the number of records."""
+    from ..data.jsonl import write_jsonl
+    records = []
+    for i, image in enumerate(sorted(os.listdir(images))):
+        label, rel = os.path.splitext(image)[0], os.path.relpath(os.path.join(images, image), os.path.dirname(path))
+        if turns and i % 3 == 1:
+            records.append({"image": rel, "conversations": [
+                {"user": "How many characters?", "assistant": str(len(label))},
+                {"user": "CAPTCHA:", "assistant": label}]})
+        elif turns and i % 3 == 2:
+            records.append({"image": rel, "prompt": "Where is the text?", "answer": "[[50,100,950,900]]"})
+        else:
+            records.append({"image": rel, "prompt": "CAPTCHA:", "answer": label})
+    write_jsonl(path, records)
+    return len(records)

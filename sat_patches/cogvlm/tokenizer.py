@@ -26,6 +26,7 @@ DEFAULT_ALPHABET = string.digits + string.ascii_lowercase
 TEMPLATE_TEXT = [
     "CAPTCHA:", "[INST] CAPTCHA: [/INST] ", "Question: What is the CAPTCHA in image? Short answer: ",
     "Question: CAPTCHA: Answer: ", "This image can be best described as:", "[IMG] [/IMG]",
+    "How many characters?", "Where is the text? [[50,100,950,900]]",
 ]
 
 
@@ -68,8 +69,8 @@ def llama2_tokenizer(tokenizer_path: str, signal_type: str = "base"):
     (``boi``/``eoi`` "[IMG]"/"[/IMG]", ``signal_type``). A missing pad token becomes ``<unk>``."""
     from transformers import LlamaTokenizer
 
-    if signal_type not in ("base", "chat", "vqa", "chatqa"):
-        raise ValueError(f"signal_type must be base, chat, vqa or chatqa, not {signal_type!r}")
+    if signal_type not in ("base", "chat", "vqa", "chat_old"):
+        raise ValueError(f"signal_type must be base, chat, vqa or chat_old, not {signal_type!r}")
     tokenizer = LlamaTokenizer.from_pretrained(tokenizer_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token

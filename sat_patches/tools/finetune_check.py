@@ -112,6 +112,15 @@ def resume_errors(env: dict) -> List[str]:
     return []
 
 
+def data_errors(env: dict) -> List[str]:
+    """``TRAIN_DATA`` and ``VALID_DATA`` are usable before anything is launched: a ``.jsonl`` file's records
+    are checked one by one, a folder must hold a readable ``.jpg`` (an empty data set otherwise stops the
+    run inside SAT with a ZeroDivisionError, THUDM/CogVLM#509)."""
+    from ..data.jsonl import check_data_path
+    return [f"{name}={env[name]}: {problem}" for name in ("TRAIN_DATA", "VALID_DATA") if env.get(name)
+            for problem in check_data_path(env[name])]
+
+
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
-from .finetune_check import check, config_path, visible_gpus
+from .finetune_check import check, config_path, data_errors, visible_gpus
 from ..core.ports import free_port
 
 UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
@@ -51,7 +51,7 @@ KIND_DEFAULTS = {
                  "TRAIN_ITERS": "2000"},
 }
 # no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
-CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "80", "LORA_RANK": "4",
+CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "120", "LORA_RANK": "4",
                 "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
                 "CHECKPOINT_ACTIVATIONS": "0"}
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
@@ -203,8 +203,9 @@ def torchrun() -> List[str]:
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     work = env["WORK_DIR"]
     py = sys.executable
+    # the CAPTCHAs as conversations in JSON Lines (sat_patches.cogvlm.tiny.write_captcha_conversations)
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
-                 train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"),
+                 train=os.path.join(work, "data", "train.jsonl"), valid=os.path.join(work, "data", "valid.jsonl"),
                  save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
@@ -259,6 +260,8 @@ def main(argv=None) -> int:
     on_cpu = run_mode in ("cpu", "checkout-cpu")
     env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
     errors = check(env)
+    if not on_cpu and env.get("DRY_RUN") != "1":  # CPU runs generate their data; a dry run only prints
+        errors += data_errors(env)
     if errors:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)

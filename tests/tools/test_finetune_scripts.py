@@ -153,6 +153,23 @@ def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_pa
     assert "mode checkout" in out.stdout and "TRAINABLE=demo" in out.stdout  # the demo's own choice by default
 
 
+def test_in_a_checkout_an_empty_or_broken_data_set_is_refused_before_launching(tmp_path):
+    """Upstream's demo would build the 17B model and then divide by zero in SAT (THUDM/CogVLM#509)."""
+    demo_dir = tmp_path / "CogVLM" / "finetune_demo"
+    demo_dir.mkdir(parents=True)
+    (demo_dir / "finetune_cogvlm_demo.py").write_text("raise SystemExit('launched')\n")
+    shutil.copy(SCRIPTS["cogvlm"], demo_dir)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "valid.jsonl").write_text('{"image": "gone.jpg", "prompt": "CAPTCHA:", "answer": "ab12"}\n')
+    out = run(str(demo_dir / "finetune_cogvlm.sh"), {"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1",
+                                                    "TRAIN_DATA": str(tmp_path / "empty"),
+                                                    "VALID_DATA": str(tmp_path / "valid.jsonl")}, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"TRAIN_DATA={tmp_path / 'empty'}: data folder {tmp_path / 'empty'} holds no readable .jpg" in out.stderr
+    assert f"{tmp_path / 'valid.jsonl'}:1: image {tmp_path / 'gone.jpg'} does not exist" in out.stderr
+    assert "+ " not in out.stdout and "launched" not in out.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])

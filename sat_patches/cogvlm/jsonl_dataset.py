@@ -1,0 +1,75 @@
+"""A JSON Lines conversation dataset for CogVLM and CogAgent, and the ``create_dataset_function`` that picks it.
+
+Records (format and checks: :mod:`sat_patches.data.jsonl`) become items exactly like ``ItemDataset``'s:
+the image inputs under ``vision`` (and ``cross`` for CogAgent) plus the text processor's output, so
+``data_collator`` and the models take them unchanged. Each sample's prompt is rendered with the tokenizer's
+template (``base``, ``chat``, ``vqa``, ``chat_old``: upstream's ``history_to_prompt``) from its history and
+query; the text processor puts the loss on the answer tokens only (everything before them is -100).
+
+A sample whose text would not fit ``max_length`` is a problem like any other (the processor would drop
+it, or cut its answer short, in the middle of training): it is found when the dataset is built, named by
+``file:line``, and refused or skipped by ``SAT_PATCHES_BAD_RECORDS``.
+
+A fork's demo uses it with upstream's signature::
+
+    from sat_patches.cogvlm import create_dataset_function   # a .jsonl path or a <label>.jpg folder
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+from ..data.jsonl import Sample, read_samples, settle
+from .dataset import ItemDataset
+from .text_processor import IMAGE_TAG
+
+
+def token_count(text_processor, prompt: str, answer: str) -> Tuple[int, int]:
+    """(prompt tokens with the image slots, all tokens) of a sample as ``llama2_text_processor`` lays it out."""
+    tokenizer = text_processor.tokenizer
+    parts = prompt.split(IMAGE_TAG)
+    images = len(parts) - 1
+    prompt_ids = 1 + sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in parts) + images
+    answer_ids = len(tokenizer.encode(answer, add_special_tokens=False))
+    slots = images * (text_processor.image_length + 1)
+    return prompt_ids + slots, prompt_ids + answer_ids + 1 + slots
+
+
+def length_problem(text_processor, prompt: str, answer: str) -> Optional[str]:
+    """Why the text processor would drop the sample or cut its answer, or None when it fits."""
+    room = getattr(text_processor, "answer_room", 10)  # upstream's processor returns None within 10 tokens
+    limit = text_processor.max_target_length
+    context, total = token_count(text_processor, prompt, answer)
+    if context > limit - room or total > limit:
+        return (f"{total} tokens with the image ({context} before the answer) do not fit max_length {limit}: "
+                f"shorten the record or raise --max_length (MAX_LENGTH)")
+    return None
+
+
+class JsonlDataset(ItemDataset):
+    """``JsonlDataset(image_processor, text_processor, args, path, cross_image_processor=None)``."""
+
+    def _load(self, path: str, validate: bool) -> List[Sample]:
+        samples, problems = read_samples(path)
+        fitting = []
+        for sample in samples:
+            problem = length_problem(self.text_processor, self.prompt_of(sample), sample.answer)
+            if problem:
+                problems.append(f"{sample.where}: {problem}")
+            else:
+                fitting.append(sample)
+        return settle(fitting, problems, path)
+
+    def prompt_of(self, sample: Sample) -> str:
+        return self.text_processor.history_to_prompt(sample.query, sample.history)
+
+    def __getitem__(self, index):
+        sample = self.data[index]
+        return self.item(sample.image, sample.answer, self.prompt_of(sample), sample.id)
+
+
+def create_dataset_function(image_processor: Callable, text_processor: Callable, cross_image_processor, path: str,
+                            args) -> ItemDataset:
+    """Upstream demo's signature: a ``.jsonl`` file gives a :class:`JsonlDataset`, a folder the
+    ``<label>.jpg`` ``ItemDataset``."""
+    cls = JsonlDataset if str(path).endswith(".jsonl") else ItemDataset
+    return cls(image_processor, text_processor, args, path, cross_image_processor=cross_image_processor)

@@ -1,0 +1,198 @@
+"""Fine-tuning records in JSON Lines: read, check, and turn into (image, history, query, answer) samples.
+
+Upstream's ``ItemDataset`` reads only a folder of ``<label>.jpg`` files with one fixed prompt; the
+answer to "how do I train on my own data" (THUDM/CogVLM#36, #63, #139, #205, #284; multi-turn #428,
+#475; grounding #388) has been "edit ItemDataset yourself". One record per line::
+
+    {"image": "imgs/1.jpg", "prompt": "What is written here?", "answer": "X7KQ"}
+    {"image": "imgs/2.jpg", "conversations": [{"user": "Describe it.", "assistant": "A red car."},
+                                              {"user": "Where is the car?", "assistant": "At [[102,310,588,790]]."}]}
+
+``image`` is a path relative to the JSONL file's folder (or absolute); ``id`` is optional. A
+conversation of N turns gives N samples: turn k is asked with turns 1..k-1 as its history, and only its
+answer is trained on. Grounding boxes are written in CogVLM's text form ``[[x0,y0,x1,y1]]`` (several:
+``[[x0,y0,x1,y1;x0,y0,x1,y1]]``), integers from 0 to 999 relative to the image's width and height.
+
+Every record is checked when it is read -- JSON, fields, the image (opened and decoded), non-empty
+answers, the boxes -- and each problem is reported with ``file:line`` and what to change. With
+``SAT_PATCHES_BAD_RECORDS=refuse`` (the default) any problem stops the run; with ``skip`` the records
+with problems are left out and counted. This module needs neither torch nor SAT: the scripts' checks run
+it before anything is launched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+SETTING = "SAT_PATCHES_BAD_RECORDS"
+POLICIES = ("refuse", "skip")
+BOX = re.compile(r"\[\[(.*?)\]\]")
+SHOWN = 10  # problems listed in a message
+
+
+class DataError(ValueError):
+    """The data cannot be used as it is: the message names each problem's file and line."""
+
+
+class EmptyDatasetError(DataError):
+    """No usable sample in the data."""
+
+
+@dataclass
+class Sample:
+    image: str                                  # absolute path
+    query: str
+    answer: str
+    history: List[Tuple[str, str]] = field(default_factory=list)
+    id: str = ""
+    where: str = ""                             # file:line (turn t)
+
+
+def bad_records_policy() -> str:
+    policy = os.environ.get(SETTING, "refuse").strip().lower() or "refuse"
+    if policy not in POLICIES:
+        raise DataError(f"{SETTING}={policy!r}: set it to refuse (stop at bad records) or skip (leave them out)")
+    return policy
+
+
+def box_problem(text: str) -> Optional[str]:
+    """What is wrong with the ``[[...]]`` boxes in ``text``, or None."""
+    for group in BOX.findall(text):
+        for box in group.split(";"):
+            parts = [p.strip() for p in box.split(",")]
+            if len(parts) != 4 or not all(re.fullmatch(r"\d{1,3}", p) for p in parts):
+                return (f"box [[{group}]] is not four whole numbers from 0 to 999 (x0,y0,x1,y1; several boxes "
+                        f"separated by ';')")
+            x0, y0, x1, y1 = map(int, parts)
+            if x0 > x1 or y0 > y1:
+                return f"box [[{group}]] has x0 > x1 or y0 > y1: write the top-left corner first"
+    return None
+
+
+def _image_problem(path: str) -> Optional[str]:
+    if not os.path.isfile(path):
+        return f"image {path} does not exist"
+    try:
+        from PIL import Image
+        with Image.open(path) as image:
+            image.convert("RGB")  # decodes the whole file: truncated or corrupt files fail here
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
+        return f"image {path} cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _turns(record: dict) -> Tuple[List[Tuple[str, str]], Optional[str]]:
+    """(user, assistant) pairs of a record, or a problem."""
+    if "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not turns:
+            return [], "'conversations' must be a non-empty list of {\"user\": ..., \"assistant\": ...}"
+        pairs = []
+        for t, turn in enumerate(turns, 1):
+            if not isinstance(turn, dict) or not isinstance(turn.get("user"), str) \
+                    or not isinstance(turn.get("assistant"), str):
+                return [], f"turn {t} must be {{\"user\": \"...\", \"assistant\": \"...\"}} (both strings)"
+            pairs.append((turn["user"], turn["assistant"]))
+        return pairs, None
+    if not isinstance(record.get("prompt"), str) or not isinstance(record.get("answer"), str):
+        return [], "give \"prompt\" and \"answer\" (strings), or \"conversations\" (a list of user/assistant turns)"
+    return [(record["prompt"], record["answer"])], None
+
+
+def _record_samples(record, folder: str, where: str) -> Tuple[List[Sample], Optional[str]]:
+    if not isinstance(record, dict):
+        return [], "a record must be a JSON object"
+    image = record.get("image")
+    if not isinstance(image, str) or not image:
+        return [], "\"image\" (the path of the record's image) is missing"
+    path = image if os.path.isabs(image) else os.path.normpath(os.path.join(folder, image))
+    turns, problem = _turns(record)
+    if problem:
+        return [], problem
+    for t, (query, answer) in enumerate(turns, 1):
+        turn = f" (turn {t})" if len(turns) > 1 else ""
+        if not answer.strip():
+            return [], f"empty answer{turn}: give the text the model should learn to answer"
+        problem = box_problem(query) or box_problem(answer)
+        if problem:
+            return [], problem + turn
+    problem = _image_problem(path)
+    if problem:
+        return [], problem + ": fix the path (relative to the JSONL file's folder) or remove the record"
+    rid = str(record.get("id", os.path.splitext(os.path.basename(path))[0]))
+    return [Sample(path, q, a, list(turns[:t]), rid, where + (f" (turn {t + 1})" if len(turns) > 1 else ""))
+            for t, (q, a) in enumerate(turns)], None
+
+
+def read_samples(path: str) -> Tuple[List[Sample], List[str]]:
+    """Every sample of the JSONL file ``path`` and every problem found (``file:line: what``)."""
+    if not os.path.isfile(path):
+        raise EmptyDatasetError(f"data file {path} does not exist: pass a .jsonl file (one record per line) "
+                                f"or a folder of <label>.jpg images")
+    folder = os.path.dirname(os.path.abspath(path))
+    samples: List[Sample] = []
+    problems: List[str] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}): one record per line")
+                continue
+            found, problem = _record_samples(record, folder, where)
+            if problem:
+                problems.append(f"{where}: {problem}")
+            samples += found
+    return samples, problems
+
+
+def settle(samples: List[Sample], problems: List[str], path: str, what: str = "record") -> List[Sample]:
+    """Apply ``SAT_PATCHES_BAD_RECORDS`` to ``problems``; refuse an empty result."""
+    if problems:
+        listed = "\n  ".join(problems[:SHOWN]) + (f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN
+                                                 else "")
+        if bad_records_policy() == "refuse":
+            raise DataError(f"{len(problems)} {what}(s) of {path} cannot be used:\n  {listed}\nFix them, or set "
+                            f"{SETTING}=skip to train without them.")
+        import warnings
+        warnings.warn(f"{SETTING}=skip: left out {len(problems)} {what}(s) of {path}:\n  {listed}", stacklevel=2)
+    if not samples:
+        raise EmptyDatasetError(f"{path} holds no usable sample" + (" (every record had a problem)" if problems
+                                                                     else ": add records, one JSON object per line"))
+    return samples
+
+
+def check_data_path(path: str) -> List[str]:
+    """Problems with a training or validation data path before anything is built: a JSONL file is read
+    and checked record by record; a folder must hold a readable ``.jpg``. Empty when usable."""
+    if path.endswith(".jsonl"):
+        try:
+            settle(*read_samples(path), path)
+        except DataError as exc:
+            return [str(exc)]
+        return []
+    if not os.path.isdir(path):
+        return [f"data {path} does not exist: pass a .jsonl file or a folder of <label>.jpg images"]
+    images = sorted(os.path.join(d, f) for d, _, files in os.walk(path, followlinks=True)
+                    for f in files if f.lower().endswith(".jpg"))
+    if not any(_image_problem(p) is None for p in images):
+        return [f"data folder {path} holds no readable .jpg image ({len(images)} .jpg files): add <label>.jpg "
+                f"images, or pass a .jsonl file"]
+    return []
+
+
+def write_jsonl(path: str, records: List[Dict]) -> None:
+    """Write ``records`` one per line, atomically (a temporary file renamed over ``path``)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
