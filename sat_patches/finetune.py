@@ -115,6 +115,9 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--local_tokenizer", type=str, default="lmsys/vicuna-7b-v1.5", help="tokenizer path")
     p.add_argument("--vit_checkpoint_activations", action="store_true")
     p.add_argument("--probe", default=None, help="after training, save logits on one validation batch here")
+    p.add_argument("--evaluate", default=None, metavar="DIR",
+                   help="after training, answer every validation sample and write predictions.jsonl and "
+                        "summary.json into DIR (sat_patches.evaluate)")
     return model_class_for(kind).add_model_specific_args(p)
 
 
@@ -185,6 +188,9 @@ def train(argv) -> int:
                           collate_fn=partial(data_collator, cross_image_processor=cross))
     if args.probe:
         save_probe(model, args, image, text, cross)
+    if args.evaluate:
+        from .evaluate import answer_every_sample
+        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version)
     return 0
 
 
@@ -212,34 +218,9 @@ def save_probe(model, args, image, text, cross):
 
 
 # ----------------------------------------------------------------------------- verify
-@torch.no_grad()
-def greedy_answer(model, batch, tokenizer, steps=8):
-    """Greedy decoding after the prompt (no cache: the tiny model is cheap to re-run)."""
-    context = int(batch["context_length"][0])
-    ids = batch["input_ids"][:, :context].clone()
-    inputs = model_inputs(batch)
-    out = []
-    for step in range(steps):
-        n = ids.shape[1]
-        step_inputs = {k: (v[:, :n] if k in ("vision_expert_mask", "image_embed_mask", "image_rope_mask",
-                                              "position_ids") else v) for k, v in inputs.items()}
-        step_inputs["attention_mask"] = inputs["attention_mask"][..., :n, :n]
-        step_inputs["input_ids"] = ids
-        token = int(model(**step_inputs)[0][0, -1].argmax())
-        if token == tokenizer.eos_token_id:
-            break
-        out.append(token)
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-        last = inputs["position_ids"][:, n - 1:n] + 1
-        inputs["position_ids"] = torch.cat([inputs["position_ids"][:, :n], last], dim=1)
-        for key in ("vision_expert_mask", "image_embed_mask", "image_rope_mask"):
-            inputs[key] = torch.cat([inputs[key][:, :n], torch.zeros_like(inputs[key][:, :1])], dim=1)
-        inputs["attention_mask"] = torch.ones(1, 1, n + 1, n + 1).tril()
-    return tokenizer.decode(out)
-
-
 def verify(argv) -> int:
     from .cogvlm import llama2_tokenizer, model_class_for
+    from .evaluate import greedy_answer
     p = argparse.ArgumentParser(prog="python -m sat_patches.finetune verify")
     p.add_argument("--kind", choices=KINDS, default="cogvlm")
     p.add_argument("--probe", required=True)

@@ -92,6 +92,15 @@ class ItemDataset(Dataset):
         label = self.label_of(path)
         return self.item(path, label, self.prompt, label)
 
+    def answer_of(self, index: int) -> str:
+        return self.label_of(self.data[index])
+
+    def prompt_text(self, index: int) -> str:
+        return self.prompt
+
+    def image_of(self, index: int) -> str:
+        return self.data[index]
+
     def item(self, path: str, answer: str, prompt: str, question_id: str) -> dict:
         """The image inputs of ``path`` and the text processor's output for ``answer`` after ``prompt``;
         upstream's empty item when the image became unreadable or the text does not fit."""

@@ -62,6 +62,15 @@ class JsonlDataset(ItemDataset):
     def prompt_of(self, sample: Sample) -> str:
         return self.text_processor.history_to_prompt(sample.query, sample.history)
 
+    def answer_of(self, index: int) -> str:
+        return self.data[index].answer
+
+    def prompt_text(self, index: int) -> str:
+        return self.prompt_of(self.data[index])
+
+    def image_of(self, index: int) -> str:
+        return self.data[index].image
+
     def __getitem__(self, index):
         sample = self.data[index]
         return self.item(sample.image, sample.answer, self.prompt_of(sample), sample.id)

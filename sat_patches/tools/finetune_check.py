@@ -170,6 +170,13 @@ def check(env: dict) -> List[str]:
         errors.append(f"DS_CONFIG={ds_config} is neither a file nor one of the configs installed with sat_patches: "
                       f"set DS_CONFIG to one of {', '.join(shipped)} or to the path of your own DeepSpeed config.")
     errors += resume_errors(env)
+    if env.get("EVALUATE") not in (None, "", "0", "1"):
+        errors.append(f"EVALUATE={env['EVALUATE']!r}: set EVALUATE=1 (answer every validation sample after "
+                      f"training) or EVALUATE=0.")
+    elif env.get("EVALUATE") == "1" and in_checkout(env):
+        errors.append("EVALUATE=1 runs in sat_patches' own trainer, not in the checkout's demo: unset it and run "
+                      "python -m sat_patches.evaluate <the run's checkpoint> <VALID_DATA> --local_tokenizer ... "
+                      "after training.")
     hostfile = env.get("HOST_FILE")
     if hostfile and not os.path.isfile(hostfile):
         errors.append(f"HOST_FILE={hostfile} does not exist: create it (lines 'host slots=N') or unset HOST_FILE "

@@ -44,6 +44,7 @@ DEFAULTS = {
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
     "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
     "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
+    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches.evaluate)
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -52,10 +53,11 @@ KIND_DEFAULTS = {
 }
 # no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
 CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "120", "LORA_RANK": "4",
+                "EVALUATE": "1",
                 "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
                 "CHECKPOINT_ACTIVATIONS": "0"}
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
-CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1"}
+CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "EVALUATE": "0"}
 
 
 def settings(environ: Dict[str, str]) -> Dict[str, str]:
@@ -142,6 +144,11 @@ def mode(env: Dict[str, str]) -> str:
     return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
 
 
+def evaluation_dir(save_dir: str) -> str:
+    """Where ``EVALUATE=1`` writes ``predictions.jsonl`` and ``summary.json``."""
+    return os.path.join(save_dir, "evaluation")
+
+
 def train_options(env: Dict[str, str], **paths) -> List[str]:
     """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in."""
     opts = [
@@ -160,6 +167,8 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     opts += resume_options(env)
+    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches.evaluate)
+        opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
     if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":
@@ -297,6 +306,11 @@ def main(argv=None) -> int:
         if code != 0:
             print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
             return code
+    if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
+        from ..evaluate import read_summary, summary_line
+        summary = read_summary(evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu"
+                                              else env["SAVE_DIR"]))
+        print(summary_line(summary, summary["data"]), flush=True)
     return 0
 
 

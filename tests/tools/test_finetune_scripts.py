@@ -42,9 +42,10 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2", "QLORA": "1"},
      "QLORA=1 with MP_SIZE=2: an NF4 base layer has no model-parallel forward; set MP_SIZE=1"),
     ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "QLORA": "yes"}, "QLORA='yes': set QLORA=1"),
+    ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "EVALUATE": "yes"}, "EVALUATE='yes': set EVALUATE=1"),
 ], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "trainable",
          "micro-batch",
-         "ds-config", "qlora-mp2", "qlora-word"])
+         "ds-config", "qlora-mp2", "qlora-word", "evaluate-word"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -184,7 +185,7 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     assert "elapsed time per iteration" not in log  # SAT's long line is replaced, not repeated
     assert "time (ms)" not in log and " ....... " not in log and len(out.stdout.splitlines()) < 100  # readable
     work = tmp_path / "sat_patches_demo" / kind
-    [run_dir] = list((work / "checkpoints").iterdir())
+    [run_dir] = [d for d in (work / "checkpoints").iterdir() if (d / "latest").is_file()]
     assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
                                                   "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                   "zero_pp_rank_0_mp_rank_01_optim_states.pt"]  # resumable
@@ -192,6 +193,12 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     diff = float(re.search(r"max \|logit difference\| = ([0-9.e+-]+)", log).group(1))
     assert diff <= 1e-4
     assert re.search(r"merged model output for CAPTCHA '\w+': ", log)
+    # the last line: the trained checkpoint answered every validation sample (trained from conversations in JSONL)
+    assert "--train-data " + str(work / "data" / "train.jsonl") in out.stdout
+    evaluation = re.search(r"^evaluation: exact match (\d+)/(\d+) \(", out.stdout.splitlines()[-1])
+    assert evaluation and int(evaluation.group(2)) == 8, out.stdout[-1000:]
+    with open(work / "checkpoints" / "evaluation" / "predictions.jsonl") as f:
+        assert sum(json.loads(line)["exact"] for line in f) == int(evaluation.group(1))
     with open(run_dir / "loss_curve.csv") as f:  # the curve beside the memory ledger, drawn as it grows
         assert [round(float(r.split(",")[1]), 4) for r in f.read().split()[1:]] == losses
     assert (run_dir / "loss_curve.png").stat().st_size > 10_000
