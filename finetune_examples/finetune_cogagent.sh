@@ -9,6 +9,7 @@
 # QLORA=1: upstream's --use_qlora instead of --use_lora (an NF4 base; needs MP_SIZE=1).
 # RESUME=<run directory under SAVE_DIR> continues that run exactly; RESUME_ITERATION=N from its iteration N.
 # EVALUATE=1: at the end the trained model answers every VALID_DATA sample (exact match; on by default on CPU).
+# SAVE_ADAPTER_ONLY=1/0: saves hold the LoRA adapters only (megabytes; default when only LoRA trains) / the model.
 # EXTRA_ARGS="..." adds options; DRY_RUN=1 prints the commands only; --help lists every setting.
 # In a CogVLM checkout's finetune_demo/ it runs upstream's finetune_cogagent_demo.py; elsewhere the
 # standalone CogAgent of sat_patches. Without a GPU it trains a tiny CogAgent on 2 CPU ranks at MP_SIZE=2,

@@ -96,12 +96,25 @@ def check_inputs(ckpt: str, data: str, mp: int, world: int) -> List[str]:
 
 def load_for_generation(ckpt: str, kind: str, mp: int):
     """The checkpoint's model at MP=``mp``, in eval mode. A LoRA run's checkpoint (``use_lora``/``use_qlora``
-    in its config) gets the LoRA layers its training added before its weights are loaded."""
+    in its config) gets the LoRA layers its training added before its weights are loaded; an adapter-only
+    save is loaded onto its base (named in its ``adapter.json``)."""
+    from .checkpoints import adapter
+    from .checkpoints.files import find_checkpoint, read_model_config
     from .cogvlm import model_class_for
     from .finetune import add_lora
     from .patches.loading import load_checkpoint
-    model, args = model_class_for(kind).from_pretrained(ckpt, None, build_only=True,
-                                                        overwrite_args={"model_parallel_size": mp})
+    run = find_checkpoint(ckpt)
+    manifest = adapter.read_manifest(os.path.dirname(run.files[0]))
+    cls, size = model_class_for(kind), {"model_parallel_size": mp}
+    if manifest is None:
+        model, args = cls.from_pretrained(ckpt, None, build_only=True, overwrite_args=size)
+    else:
+        base = manifest["base"]
+        model, args = cls.from_pretrained(base["path"], None, overwrite_args=size, specific_iteration=(
+            None if base["iteration"] == "release" else base["iteration"]))
+        config = read_model_config(ckpt)
+        for key in ("use_lora", "use_qlora", "lora_rank", "layer_range"):
+            setattr(args, key, config.get(key, getattr(args, key, None)))
     if getattr(args, "use_lora", False) or getattr(args, "use_qlora", False):
         add_lora(model, args)
     args.mode = "inference"

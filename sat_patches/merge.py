@@ -123,13 +123,25 @@ def write_checkpoint(model, config: dict, out_dir: str) -> None:
         writer.write_layout(tmp, 1, {0: {"module": model.state_dict(), "iteration": 1}}, config)
 
 
+def adapter_base(ckpt, checkpoint: str):
+    """The mapped shards of the base an adapter-only save names (checked against its fingerprint), or None."""
+    from .checkpoints import adapter, files, sharding
+    manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
+    if manifest is None:
+        return None
+    named = manifest["base"]
+    base = files.find_checkpoint(named["path"], None if named["iteration"] == "release" else named["iteration"])
+    adapter.check_base(manifest, adapter.fingerprint(base), checkpoint)
+    return sharding.ShardedSource(base)
+
+
 def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
           imports=()) -> dict:
     """Merge ``checkpoint`` (any model-parallel size, LoRA or not) into an MP=1 checkpoint at
     ``out_dir`` with the LoRA products folded into the base weights. Raises :class:`MergeError` /
     :class:`CheckpointError` for input it cannot use. Returns what was merged."""
     from .checkpoints import files, sharding
-    from .checkpoints.state import load_state
+    from .checkpoints.state import load_state, meta_tensors
     from .core import coordination
     from .patches import construction
     if os.path.exists(out_dir) and not overwrite:
@@ -139,13 +151,19 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     with coordination.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
         source = sharding.ShardedSource(ckpt)
     state = source.state[0]
-    cls, args = build_args(config, _checkpoint_dtype(state), imports)
+    base = adapter_base(ckpt, checkpoint)  # an adapter-only save: its base's shards
+    dtype = _checkpoint_dtype(base.state[0] if base else state)
+    cls, args = build_args(config, dtype, imports)
     from sat.arguments import _simple_init
     _simple_init(model_parallel_size=1, seed=1)
-    with construction.build_on("meta", _checkpoint_dtype(state)):
-        model = cls(args, params_dtype=_checkpoint_dtype(state))
+    with construction.build_on("meta", dtype):
+        model = cls(args, params_dtype=dtype)
+    if base:
+        load_state(model, base)  # the base first, then LoRA around it, then the adapters
     paths = inject_lora(model, state, lora_alpha)
     missing, unexpected = load_state(model, source)
+    if base:
+        missing = [k for k in missing if "matrix_A" in k or "matrix_B" in k] + meta_tensors(model)
     if missing or unexpected:
         raise MergeError(f"{checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")

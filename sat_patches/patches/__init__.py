@@ -33,8 +33,8 @@ from ..core.registry import REGISTRY
 # rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
-from . import (standins, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults, hangs,
-               ledger, loading, lora, preprocess, progress, resume, trainable)
+from . import (standins, adapters, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
+               hangs, ledger, loading, lora, preprocess, progress, resume, trainable)
 
 # Innermost first.
 MODULES = [
@@ -53,6 +53,7 @@ MODULES = [
     console,
     hangs,
     resume,
+    adapters,
     checkpointing,
     preprocess,
 ]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from . import construction, devices
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
+from ..checkpoints import adapter
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
@@ -75,8 +76,20 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     mode = getattr(args, "mode", "inference")
     module = model.module if hasattr(model, "module") else model
     from .lora import nf4_as_loaded
+    manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
+    if manifest is not None:  # adapters only: onto the base the model already holds
+        base = getattr(module, adapter.BASE_ATTRIBUTE, None)
+        if base is None:
+            raise adapter.AdapterError(
+                f"{ckpt.path} iteration {ckpt.iteration} holds LoRA adapters only: load its base first "
+                f"(from_pretrained('{manifest['base']['path']}'), then add LoRA as the run did), then this")
+        adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
         missing, unexpected = load_state(module, source, after=nf4_as_loaded(module, args))
+    if manifest is not None:  # the base's tensors are not in it; the adapters must be
+        missing = [k for k in missing if "matrix_A" in k or "matrix_B" in k]
+    else:
+        setattr(module, adapter.BASE_ATTRIBUTE, adapter.fingerprint(ckpt))
     if unexpected:
         print_rank0(f"Will continue but found unexpected_keys! Check whether you are loading correct "
                     f"checkpoints: {unexpected}.")

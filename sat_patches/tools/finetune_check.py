@@ -170,6 +170,9 @@ def check(env: dict) -> List[str]:
         errors.append(f"DS_CONFIG={ds_config} is neither a file nor one of the configs installed with sat_patches: "
                       f"set DS_CONFIG to one of {', '.join(shipped)} or to the path of your own DeepSpeed config.")
     errors += resume_errors(env)
+    if env.get("SAVE_ADAPTER_ONLY") not in (None, "", "0", "1"):
+        errors.append(f"SAVE_ADAPTER_ONLY={env['SAVE_ADAPTER_ONLY']!r}: set 1 (saves hold the LoRA adapters), 0 (the "
+                      f"whole model) or leave it empty (adapters when only LoRA trains).")
     if env.get("EVALUATE") not in (None, "", "0", "1"):
         errors.append(f"EVALUATE={env['EVALUATE']!r}: set EVALUATE=1 (answer every validation sample after "
                       f"training) or EVALUATE=0.")

@@ -45,6 +45,8 @@ DEFAULTS = {
     "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
     "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
     "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches.evaluate)
+    "SAVE_ADAPTER_ONLY": "",  # 1: saves hold the LoRA adapters and name the base; 0: the whole model; empty: 1 when
+                              # only LoRA trains on a loaded base
 }
 KIND_DEFAULTS = {
     "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
@@ -78,6 +80,7 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     if not env.get("TRAINABLE"):
         env["TRAINABLE"] = "demo" if run_mode.startswith("checkout") else "lora"  # a checkout: its demo's choice
     env["SAT_PATCHES_TRAINABLE"] = env["TRAINABLE"]  # read by the ranks (sat_patches.patches.trainable)
+    env["SAT_PATCHES_SAVE_ADAPTER_ONLY"] = env["SAVE_ADAPTER_ONLY"]  # (sat_patches.checkpoints.adapter)
     return env
 
 

@@ -43,9 +43,11 @@ def run(script, env=None, cwd=None, timeout=300):
      "QLORA=1 with MP_SIZE=2: an NF4 base layer has no model-parallel forward; set MP_SIZE=1"),
     ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "QLORA": "yes"}, "QLORA='yes': set QLORA=1"),
     ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "EVALUATE": "yes"}, "EVALUATE='yes': set EVALUATE=1"),
+    ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "SAVE_ADAPTER_ONLY": "yes"},
+     "SAVE_ADAPTER_ONLY='yes': set 1"),
 ], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "trainable",
          "micro-batch",
-         "ds-config", "qlora-mp2", "qlora-word", "evaluate-word"])
+         "ds-config", "qlora-mp2", "qlora-word", "evaluate-word", "adapter-word"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -186,7 +188,8 @@ def test_cpu_demo_trains_at_mp2_merges_and_reloads_with_equal_outputs(tmp_path, 
     assert "time (ms)" not in log and " ....... " not in log and len(out.stdout.splitlines()) < 100  # readable
     work = tmp_path / "sat_patches_demo" / kind
     [run_dir] = [d for d in (work / "checkpoints").iterdir() if (d / "latest").is_file()]
-    assert sorted(os.listdir(run_dir / "20")) == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+    assert sorted(os.listdir(run_dir / "20")) == ["adapter.json",  # LoRA only trains: the adapters and their base
+                                                  "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
                                                   "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                   "zero_pp_rank_0_mp_rank_01_optim_states.pt"]  # resumable
     assert os.listdir(work / "merged" / "1") == ["mp_rank_00_model_states.pt"]

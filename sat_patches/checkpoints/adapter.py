@@ -1,0 +1,99 @@
+"""Adapter-only checkpoints: a LoRA run saves its adapters, and names the base they belong to.
+
+A LoRA run of CogVLM trains ~20 M parameters, but SAT saves the whole model at every save interval (~35 GB
+at MP=1, THUDM/CogVLM#303; THUDM/CogVideo#244). An adapter-only save keeps SAT's layout
+(``<run>/<N>/mp_rank_XX_model_states.pt``, ``latest``, ``model_config.json``) with only the trained
+parameters in ``module`` (DeepSpeed's ``exclude_frozen_parameters``), and writes beside the shards
+``<run>/<N>/adapter.json``: the base checkpoint the run was started from (its path, iteration, size in
+bytes and a fingerprint). Loading such a save needs its base in the model first, and a base whose
+fingerprint differs is refused with both.
+
+The fingerprint is a SHA-256 over each model-states file's name and size and 16 blocks of 64 KiB spread
+over it: seconds for a 35 GB checkpoint, and it changes when any file is replaced, resized or rewritten
+where it is sampled (it is not a full-content hash).
+
+``SAT_PATCHES_SAVE_ADAPTER_ONLY``: ``1`` adapter-only saves (refused when the model was not loaded from a
+base checkpoint), ``0`` full saves, unset: adapter-only when the model was loaded from a checkpoint and
+only LoRA matrices train.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Dict, Optional
+
+from .files import Checkpoint, CheckpointError
+
+MANIFEST = "adapter.json"
+SETTING = "SAT_PATCHES_SAVE_ADAPTER_ONLY"
+BASE_ATTRIBUTE = "sat_patches_base"   # set on a model by loading a whole checkpoint: its fingerprint()
+_BLOCKS, _BLOCK = 16, 64 * 1024
+
+
+class AdapterError(CheckpointError):
+    """An adapter-only checkpoint cannot be used as asked."""
+
+
+def fingerprint(ckpt: Checkpoint) -> Dict:
+    """Path, iteration, total bytes and sampled SHA-256 of the model-states files of ``ckpt``."""
+    digest, total = hashlib.sha256(), 0
+    for file in sorted(ckpt.files):
+        size = os.path.getsize(file)
+        total += size
+        digest.update(f"{os.path.basename(file)}:{size}".encode())
+        with open(file, "rb") as f:
+            for i in range(_BLOCKS):
+                f.seek(max(0, size - _BLOCK) * i // (_BLOCKS - 1))
+                digest.update(f.read(_BLOCK))
+    return {"path": os.path.abspath(ckpt.path), "iteration": "release" if ckpt.release else ckpt.iteration,
+            "bytes": total, "sha256": digest.hexdigest()}
+
+
+def setting() -> Optional[bool]:
+    value = os.environ.get(SETTING, "").strip()
+    if value not in ("", "0", "1"):
+        raise AdapterError(f"{SETTING}={value!r}: set 1 (save the adapters only), 0 (save the whole model) or leave "
+                           f"it unset (adapters only for a LoRA run of a loaded base)")
+    return None if value == "" else value == "1"
+
+
+def adapter_only(module) -> bool:
+    """Whether this save of ``module`` holds its adapters only."""
+    chosen, base = setting(), getattr(module, BASE_ATTRIBUTE, None)
+    if chosen is False:
+        return False
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    lora_only = bool(trainable) and all("matrix_A" in n or "matrix_B" in n for n in trainable)
+    if chosen and base is None:
+        raise AdapterError(f"{SETTING}=1 but the model was not loaded from a checkpoint (from_pretrained): an "
+                           f"adapter needs a base to name; unset {SETTING} to save the whole model")
+    return base is not None and (chosen or lora_only)
+
+
+def write_manifest(folder: str, base: Dict) -> None:
+    from .writer import write_text_atomic
+    write_text_atomic(os.path.join(folder, MANIFEST), json.dumps({"base": base}, indent=2))
+
+
+def read_manifest(folder: str) -> Optional[Dict]:
+    """The manifest of an iteration folder (``<run>/<N>``), None for a full save."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("base"), dict) \
+            or not {"path", "iteration", "sha256"} <= set(manifest["base"]):
+        raise AdapterError(f"{path} does not name a base checkpoint (path, iteration, sha256): the save is damaged")
+    return manifest
+
+
+def check_base(manifest: Dict, have: Dict, where: str) -> None:
+    """Refuse when the base in the model (``have``: a :func:`fingerprint`) is not the adapter's."""
+    want = manifest["base"]
+    if have["sha256"] != want["sha256"]:
+        raise AdapterError(
+            f"the adapter in {where} was trained on {want['path']} iteration {want['iteration']} (sha256 "
+            f"{want['sha256'][:16]}...), but the model holds {have['path']} iteration {have['iteration']} (sha256 "
+            f"{have['sha256'][:16]}...): load the adapter's own base (from_pretrained) before it")

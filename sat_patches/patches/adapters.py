@@ -1,0 +1,44 @@
+"""Adapter-only saves of LoRA runs (:mod:`sat_patches.checkpoints.adapter`).
+
+* ``save_adapter_only`` -- ``sat.training.model_io.save_ds_checkpoint_no_optim`` has DeepSpeed write the
+  whole model into every save (~35 GB for CogVLM at MP=1, THUDM/CogVLM#303), though a LoRA run trains
+  megabytes of it. When :func:`~sat_patches.checkpoints.adapter.adapter_only` says so, DeepSpeed is asked
+  for the trained parameters only (``exclude_frozen_parameters``), and ``adapter.json`` beside the shards
+  names the base checkpoint the model was loaded from. Optimizer shards, learning-rate and random states
+  are saved as before, so the run resumes from it exactly.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from ..checkpoints import adapter
+from ..core.registry import Patch, expect_names
+
+
+def _save_ds_checkpoint_no_optim(original):
+    """sat/training/model_io.py save_ds_checkpoint_no_optim: every save holds the whole model."""
+    @functools.wraps(original)
+    def save_ds_checkpoint_no_optim(model, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
+        module = getattr(model, "module", model)
+        if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
+            return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
+        import torch.distributed as dist
+        base = getattr(module, adapter.BASE_ATTRIBUTE)
+        model._save_checkpoint = functools.partial(type(model)._save_checkpoint, model, exclude_frozen_parameters=True)
+        try:
+            result = original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
+        finally:
+            del model._save_checkpoint
+        if dist.get_rank() == 0:
+            adapter.write_manifest(os.path.join(save_dir, str(tag)), base)
+        return result
+    return save_ds_checkpoint_no_optim
+
+
+PATCHES = [
+    Patch("save_adapter_only", "sat.training.model_io:save_ds_checkpoint_no_optim", _save_ds_checkpoint_no_optim,
+          answers="THUDM/CogVLM#303, THUDM/CogVideo#244: every save of a LoRA run holds the whole model; now its "
+                  "adapters and a manifest naming the base",
+          expect=expect_names("_save_checkpoint")),
+]
