@@ -294,7 +294,10 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     h, f, L = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"]
     one = b * _layer_working_set(t, h, f, c["num_attention_heads"] / mp, mp, wb)
     out = {"activations (language)": (L * b * t * h * wb + one) if s.checkpoint_activations else L * one}
-    out["logits and loss"] = b * t * c["vocab_size"] / mp * (wb + 12)   # bf16 logits, fp32 copy, shift, grad
+    # the LM head gathers its output (ColumnParallelLinear, gather_output=True): every rank holds the full vocabulary;
+    # at the loss's peak four fp32 (b, t, vocab) tensors are alive: the logits, their shifted copy, the log-softmax
+    # and its gradient (sat_patches.testing.live_bytes on the head and loss, at MP 1 and 2)
+    out["logits and loss"] = b * t * c["vocab_size"] * 4 * 4
     e = c.get("eva_args")
     if e:
         et = e["max_sequence_length"]

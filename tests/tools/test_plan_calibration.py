@@ -1,0 +1,35 @@
+"""The plan's terms against the bytes the code allocates, counted on meta tensors at full size
+(``sat_patches.testing.live_bytes``): the counter itself, and the LM head with its loss."""
+import pytest
+import torch
+
+from sat_patches.testing.live_bytes import LiveBytes, head_and_loss_peak
+from sat_patches.tools import plan
+
+
+def test_the_counter_sees_new_storages_until_they_are_freed_and_not_views_or_older_tensors():
+    older = torch.empty(10_000, device="meta")
+    with LiveBytes() as counter:
+        a = torch.empty(1000, device="meta")                         # 4000 bytes
+        b = torch.empty(500, device="meta", dtype=torch.bfloat16)    # 1000
+        view, alias = a.view(10, 100), older[:10]                    # no new storage
+        del a, view
+        c = torch.empty(10, device="meta")                           # 40, after a is gone
+    assert (counter.peak, counter.current) == (5000, 1040)
+    w = torch.empty(64, 64, device="meta", requires_grad=True)
+    with LiveBytes() as counter:
+        x = torch.empty(8, 64, device="meta")
+        (x @ w).relu().sum().backward()
+    # left when backward is done: x and w.grad (16 KiB); the product, relu output and loss are freed
+    assert counter.current == 8 * 64 * 4 + 64 * 64 * 4 and counter.peak > counter.current
+    del b, c, alias
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_the_logits_term_is_the_measured_head_and_loss_at_full_vocabulary_on_every_rank(mp):
+    config = plan.resolve_model("cogvlm-base-490")
+    tokens = plan.DEMO_MAX_LENGTH[490]
+    measured = head_and_loss_peak(mp, tokens, config["hidden_size"], config["vocab_size"])
+    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=tokens)
+    planned = plan.estimate(config, setup).device["logits and loss"]
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
