@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -160,7 +161,6 @@ def settle(samples: List[Sample], problems: List[str], path: str, what: str = "r
         if bad_records_policy() == "refuse":
             raise DataError(f"{len(problems)} {what}(s) of {path} cannot be used:\n  {listed}\nFix them, or set "
                             f"{SETTING}=skip to train without them.")
-        import warnings
         warnings.warn(f"{SETTING}=skip: left out {len(problems)} {what}(s) of {path}:\n  {listed}", stacklevel=2)
     if not samples:
         raise EmptyDatasetError(f"{path} holds no usable sample" + (" (every record had a problem)" if problems

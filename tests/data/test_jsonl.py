@@ -1,5 +1,6 @@
 """JSONL fine-tuning records: every kind of bad record named by file and line, the skip/refuse setting,
 empty data, and the checks the scripts run before launching."""
+import contextlib
 import json
 import os
 
@@ -81,16 +82,8 @@ def test_an_empty_dataset_is_refused(folder, lines, message, monkeypatch):
     monkeypatch.setenv(jsonl.SETTING, "skip")
     path = write(folder, lines)
     with pytest.raises(jsonl.EmptyDatasetError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        with pytest.warns(UserWarning) if lines else _nothing():
+        with pytest.warns(UserWarning) if lines else contextlib.nullcontext():
             jsonl.settle(*jsonl.read_samples(path), path)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_data_paths_are_checked_without_building_anything(folder, tmp_path):
