@@ -12,9 +12,9 @@ The fingerprint is a SHA-256 over each model-states file's name and size and 16 
 over it: seconds for a 35 GB checkpoint, and it changes when any file is replaced, resized or rewritten
 where it is sampled (it is not a full-content hash).
 
-``SAT_PATCHES_SAVE_ADAPTER_ONLY``: ``1`` adapter-only saves (refused when the model was not loaded from a
-base checkpoint), ``0`` full saves, unset: adapter-only when the model was loaded from a checkpoint and
-only LoRA matrices train.
+``SAT_PATCHES_SAVE_ADAPTER_ONLY``: unset (or ``1``), adapter-only saves when the model was loaded from a
+checkpoint and only LoRA matrices train, else the whole model (with ``1`` and a warning: nothing that
+trains is ever left out of a save); ``0``, always the whole model.
 """
 from __future__ import annotations
 
@@ -59,16 +59,21 @@ def setting() -> Optional[bool]:
 
 
 def adapter_only(module) -> bool:
-    """Whether this save of ``module`` holds its adapters only."""
-    chosen, base = setting(), getattr(module, BASE_ATTRIBUTE, None)
+    """Whether this save of ``module`` holds its adapters only: it was loaded from a checkpoint and only
+    LoRA matrices train (anything else that trains, or a model merged after training, is saved whole)."""
+    chosen = setting()
     if chosen is False:
         return False
+    base = getattr(module, BASE_ATTRIBUTE, None)
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     lora_only = bool(trainable) and all("matrix_A" in n or "matrix_B" in n for n in trainable)
-    if chosen and base is None:
-        raise AdapterError(f"{SETTING}=1 but the model was not loaded from a checkpoint (from_pretrained): an "
-                           f"adapter needs a base to name; unset {SETTING} to save the whole model")
-    return base is not None and (chosen or lora_only)
+    if chosen and (base is None or not lora_only):
+        import warnings
+        from ..core.registry import SatPatchesWarning
+        why = ("the model was not loaded from a checkpoint" if base is None
+               else "parameters besides LoRA's train" if trainable else "nothing trains (LoRA merged?)")
+        warnings.warn(f"{SETTING}=1 but {why}: this save holds the whole model", SatPatchesWarning, stacklevel=2)
+    return base is not None and lora_only
 
 
 def write_manifest(folder: str, base: Dict) -> None:

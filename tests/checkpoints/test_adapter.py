@@ -10,7 +10,7 @@ import torch
 from sat_patches.testing import run_ranks
 from sat_patches.tools import finetune_run
 
-pytestmark = pytest.mark.multirank
+
 
 
 def _argv(tiny, save):
@@ -69,6 +69,7 @@ def merge_both_and_refuse_another_base(tiny, runs, other_base):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_an_adapter_only_save_is_small_and_reloads_merges_and_checks_its_base(tmp_path):
     from sat_patches.checkpoints.files import find_checkpoint
     from sat_patches.cogvlm import prepare_tiny_run
@@ -100,3 +101,26 @@ def test_an_adapter_only_save_is_small_and_reloads_merges_and_checks_its_base(tm
     refused = r.result["refused"]
     assert refused and f"was trained on {other}" in refused and "but the model holds" in refused
     assert refused.count("sha256") == 2 and "load the adapter's own base" in refused
+
+
+@pytest.mark.parametrize("setting, base, trains, expected, warns", [
+    ("", True, ["matrix_A"], True, False),
+    ("", False, ["matrix_A"], False, False),           # nothing to name as the base
+    ("", True, ["matrix_A", "mlp"], False, False),     # something besides LoRA trains: it must be saved
+    ("1", True, [], False, True),                      # LoRA merged into the base: the whole model
+    ("1", True, ["matrix_A", "mlp"], False, True),
+    ("0", True, ["matrix_A"], False, False),
+])
+def test_a_save_holds_adapters_only_when_nothing_else_trains(monkeypatch, setting, base, trains, expected, warns):
+    import warnings
+    from sat_patches.checkpoints import adapter
+    module = torch.nn.Module()
+    for name in ("matrix_A", "mlp"):
+        module.register_parameter(name, torch.nn.Parameter(torch.zeros(2), requires_grad=name in trains))
+    if base:
+        setattr(module, adapter.BASE_ATTRIBUTE, {"sha256": "x"})
+    monkeypatch.setenv(adapter.SETTING, setting)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert adapter.adapter_only(module) is expected
+    assert bool([w for w in seen if "holds the whole model" in str(w.message)]) is warns
