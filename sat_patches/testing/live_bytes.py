@@ -81,3 +81,36 @@ def head_and_loss_peak(mp, tokens, hidden, vocab):
             torch.nn.functional.cross_entropy(shift_logits.view(-1, vocab), shift_labels.view(-1),
                                               ignore_index=-100).backward()
     return counter.peak
+
+
+def one_layer_saved_bytes(tiny, shapes):
+    """(a rank) For each ``(hidden, ffn, heads, tokens, dtype)``: the bytes one more language layer of the
+    CogVLM model keeps for backward (LoRA on attention and EVA, the base frozen, as a LoRA run trains):
+    the peak of a 3-layer model's forward and backward less a 2-layer model's."""
+    import torch
+    from sat.arguments import _simple_init
+    from sat.model.base_model import get_model
+    from .. import finetune
+    from ..cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for, tiny_args
+    _simple_init(model_parallel_size=1, seed=1)
+    tokenizer = llama2_tokenizer(tiny.tokenizer_dir)
+
+    def peak(layers, hidden, ffn, heads, tokens, dtype):
+        args = tiny_args("cogvlm", num_layers=layers, hidden_size=hidden, inner_hidden_size=ffn,
+                         num_attention_heads=heads, lora_rank=4, layer_range=None, use_qlora=False)
+        args.eva_args = dict(args.eva_args, num_layers=1)
+        torch.manual_seed(0)
+        model = get_model(args, model_class_for("cogvlm"))
+        finetune.add_lora(model, args)
+        model = model.to(dtype)
+        for name, p in model.named_parameters():
+            p.requires_grad_("matrix_" in name)
+        args.max_length = tokens
+        image, text, cross = finetune.processors(args, tokenizer)
+        batch = data_collator([create_dataset_function(image, text, cross, tiny.valid_jsonl, args)[0]])
+        batch = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+        with LiveBytes() as counter:
+            finetune.lm_loss(model, {**finetune.model_inputs(batch), "labels": batch["labels"]}).backward()
+        return counter.peak
+
+    return [peak(3, *shape) - peak(2, *shape) for shape in shapes]

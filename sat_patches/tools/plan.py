@@ -283,10 +283,13 @@ class Estimate:
 
 
 def _layer_working_set(tokens, hidden, ffn, heads_local, mp, wb) -> float:
-    """Bytes autograd keeps for one transformer layer: hidden-size tensors (input, norms, attention
-    output, residual, expert routing copies), qkv/context (split), the MLP's four ffn-wide tensors
-    (split), and attention scores plus softmax (and a mask byte) per local head."""
-    return tokens * wb * (8 * hidden + 4 * hidden / mp + 4 * ffn / mp) + tokens * tokens * heads_local * (2 * wb + 1)
+    """Bytes autograd keeps for one transformer layer whose base is frozen: hidden-size tensors (input,
+    norms, attention output, residual, expert routing copies), qkv/context (split), three ffn-wide tensors
+    of the gated MLP (split: the gate, its activation and the up projection; the frozen down projection
+    keeps nothing), and per local head the fp32 log-sum-exp of the attention, which SAT computes with
+    ``scaled_dot_product_attention`` for CogVLM's causal (and EVA's full) masks: no score matrix is kept.
+    Within 15% of a real layer's saved tensors (``tests/tools/test_plan_calibration.py``)."""
+    return tokens * wb * (8 * hidden + 4 * hidden / mp + 3 * ffn / mp) + tokens * heads_local * 4
 
 
 def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:

@@ -33,3 +33,29 @@ def test_the_logits_term_is_the_measured_head_and_loss_at_full_vocabulary_on_eve
     setup = plan.Setup(mp=mp, micro_batch=1, seq_len=tokens)
     planned = plan.estimate(config, setup).device["logits and loss"]
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
+SHAPES = [(256, 512, 4, 120, "bfloat16"), (256, 1024, 4, 120, "bfloat16"), (512, 512, 8, 240, "bfloat16"),
+          (256, 512, 4, 120, "float32")]
+
+
+@pytest.fixture(scope="module")
+def layers_measured(tmp_path_factory):
+    from sat_patches.cogvlm import prepare_tiny_run
+    from sat_patches.testing import run_ranks
+    tiny = prepare_tiny_run(str(tmp_path_factory.mktemp("calibration")), "cogvlm", n_train=1, n_valid=1)
+    shapes = [(h, f, heads, t, getattr(torch, dtype)) for h, f, heads, t, dtype in SHAPES]
+    [r] = run_ranks("sat_patches.testing.live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=300)
+    assert r.ok, (r.exception or "") + r.output[-3000:]
+    return dict(zip(SHAPES, r.result))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-f{}-heads{}-t{}-{}".format(*s))
+def test_the_layer_term_is_the_measured_layer(layers_measured, shape):
+    """A real vision-expert layer (CPU, bf16 and fp32) against the plan's per-layer working set at its
+    widths: the plan's coefficients hold at any width and length, so small widths check them in seconds."""
+    hidden, ffn, heads, tokens, dtype = shape
+    planned = plan._layer_working_set(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
+    measured = layers_measured[shape]
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
