@@ -16,8 +16,9 @@ ranks; bf16/fp16 unless fp32):
   two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
   fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
 * activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
-  else every layer's working set; logits in bf16 and the fp32 copies upstream's loss makes; the EVA
-  tower's activations when any of its weights train (LoRA on EVA does).
+  else every layer's working set (measured: ``benchmarks/plan_calibration.py``); the logits of the full
+  vocabulary on every rank (the LM head gathers them) as the loss's four fp32 tensors; the EVA tower's
+  activations when any of its weights train (LoRA on EVA does).
 * a fixed runtime share: CUDA context, NCCL and allocator slack on a GPU; the Python/torch/SAT/
   DeepSpeed process on the host.
 
