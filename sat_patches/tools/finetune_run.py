@@ -311,9 +311,12 @@ def main(argv=None) -> int:
             return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
         from ..evaluate import read_summary, summary_line
-        summary = read_summary(evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu"
-                                              else env["SAVE_DIR"]))
-        print(summary_line(summary, summary["data"]), flush=True)
+        out = evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
+        if os.path.isfile(os.path.join(out, "summary.json")):
+            summary = read_summary(out)
+            print(summary_line(summary, summary["data"]), flush=True)
+        else:  # rank 0 wrote it on another node's disk
+            print(f"evaluation: written by rank 0 into {out} on its node", flush=True)
     return 0
 
 
