@@ -9,7 +9,7 @@ RNG states on, ZeRO stages 0 and 2, fp32/bf16, LoRA, model-parallel size 1 and 2
 
 * ``mp_rank_XX_model_states.pt``: numpy's RNG state, an array (``numpy.ndarray``, rebuilt through
   numpy's ``_reconstruct``) of ``numpy.dtype``;
-* ``*_optim_states.pt`` (ZeRO): DeepSpeed's ``LossScaler``, ``ZeroStageEnum`` and
+* ``*_optim_states.pt`` (ZeRO): DeepSpeed's ``LossScaler`` (``DynamicLossScaler`` with fp16), ``ZeroStageEnum`` and
   ``fragment_address``.
 
 A file that names anything else is refused before any of it is unpickled, with the names and the
@@ -33,6 +33,7 @@ ALLOWED = (
     "numpy._core.multiarray._reconstruct",   # numpy >= 2
     "numpy.core.multiarray._reconstruct",    # numpy < 2
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )

@@ -77,6 +77,11 @@ def train_stop_resume(root):
         other = stopped(f"stop-{name}", bf16, removed=[name])
         out[name] = losses(name, bf16 + ["--load", other, "--save", os.path.join(root, name)])
 
+    fp16 = ["--zero-stage", "2", "--fp16"]  # DeepSpeed's dynamic loss scaler is in the optimizer shards
+    out["fp16_full"] = losses("fp16-full", fp16 + ["--save", os.path.join(root, "fp16-full")])
+    out["fp16_resumed"] = losses("fp16-resumed", fp16 + ["--load", stopped("fp16-stop", fp16),
+                                                         "--save", os.path.join(root, "fp16-resumed")])
+
     fp32 = ["--zero-stage", "0"]
     out["fp32_full"] = losses("fp32-full", fp32 + ["--save", os.path.join(root, "fp32-full")])
     out["fp32_resumed"] = losses("fp32-resumed", fp32 + ["--load", stopped("fp32-stop", fp32),
@@ -167,6 +172,7 @@ def test_resumed_losses_equal_the_uninterrupted_run(runs):
         assert rank["full"][:4] != rank["full"][4:]                        # the run does move
         assert _gap(rank["resumed"], rank["full"]) < 1e-6, (rank["resumed"], rank["full"])   # ZeRO-2 bf16
         assert _gap(rank["fp32_resumed"], rank["fp32_full"]) < 1e-6, (rank["fp32_resumed"], rank["fp32_full"])
+        assert _gap(rank["fp16_resumed"], rank["fp16_full"]) < 1e-6, (rank["fp16_resumed"], rank["fp16_full"])
     assert runs[0]["full"] == runs[1]["full"]                              # MP ranks see one loss
 
 
@@ -201,7 +207,7 @@ def test_real_saves_need_only_the_allow_list_and_a_payload_in_an_optimizer_shard
     import numpy
     numpy_core = "numpy._core" if int(numpy.__version__.split(".")[0]) >= 2 else "numpy.core"
     for rank in runs:
-        # every saved file (ZeRO-2 bf16 and fp32 without ZeRO, LoRA, MP=2, RNG states) was loaded safely by the
+        # every saved file (ZeRO-2 bf16 and fp16, fp32 without ZeRO, LoRA, MP=2, RNG states) was loaded safely by the
         # resumes above; these are exactly the types it needed, and exactly the allow-list for this numpy
         assert rank["unsafe_globals"] == sorted(
             n for n in safe_load.ALLOWED if not n.startswith(("numpy.core", "numpy._core")) or n.startswith(numpy_core))
