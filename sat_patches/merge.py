@@ -86,7 +86,7 @@ def model_class(name: str, imports=()):
     CogVLM's ``utils.models``); sat_patches' own CogVLM/CogAgent are tried last."""
     import importlib
     from sat.model.registry import model_registry
-    for module in [*imports, "sat_patches.cogvlm"]:
+    for module in [*imports, "sat_patches.cogvlm.models"]:
         try:
             return model_registry.get(name)
         except ValueError:

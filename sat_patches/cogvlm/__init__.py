@@ -36,30 +36,40 @@ own options, e.g. ``--max_length 80 --local_tokenizer <run.tokenizer_dir>``)::
 
 Without files: ``model, args = build_tiny_model("cogagent")`` (SAT ``get_model`` on ``tiny_args``).
 """
+import importlib
+
 import sat_patches  # noqa: F401  (makes ``import sat`` work without triton/CUDA)
 
-from .captcha_data import make_captcha_dataset
-from .config import (TINY_MAX_LENGTH, UPSTREAM_CONFIGS, model_class_for, model_config_dict, read_model_config,
-                     save_pretrained_dir, tiny_args, tiny_config, write_model_config)
-from .dataset import EmptyDatasetError, ItemDataset, data_collator
-from .eva_clip import EVA2CLIPModel
-from .eva_clip_large import EVA_CLIP_L_DEFAULTS, ExternalVisionModel
-from .image_mixin import GLU, ImageMixin, vision_args
-from .image_processor import BlipImageEvalProcessor, get_image_processor
-from .jsonl_dataset import JsonlDataset, create_dataset_function
-from .models import CogAgentModel, CogVLMModel, FineTuneTrainCogAgentModel, FineTuneTrainCogVLMModel
-from .text_processor import TextProcessor, llama2_text_processor
-from .tiny import TinyRun, build_tiny_model, prepare_tiny_run
-from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
-from .vision_expert import LlamaVisionExpertAttnMixin, LlamaVisionExpertFCMixin
+# name -> the module that defines it. Imported on first use, so that the torch- and SAT-free modules
+# (``shapes``, ``config``'s tables, ``text_processor``'s templates) cost nothing to the command-line tools.
+_MODULES = {
+    "captcha_data": ["make_captcha_dataset"],
+    "config": ["TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_class_for", "model_config_dict", "read_model_config",
+               "save_pretrained_dir", "tiny_args", "tiny_config", "write_model_config"],
+    "dataset": ["EmptyDatasetError", "ItemDataset", "data_collator"],
+    "eva_clip": ["EVA2CLIPModel"],
+    "eva_clip_large": ["ExternalVisionModel"],
+    "shapes": ["EVA_CLIP_L_DEFAULTS", "upstream_config"],
+    "image_mixin": ["GLU", "ImageMixin", "vision_args"],
+    "image_processor": ["BlipImageEvalProcessor", "get_image_processor"],
+    "jsonl_dataset": ["JsonlDataset", "create_dataset_function"],
+    "models": ["CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel"],
+    "text_processor": ["TextProcessor", "llama2_text_processor"],
+    "tiny": ["TinyRun", "build_tiny_model", "prepare_tiny_run"],
+    "tokenizer": ["check_vocab", "llama2_tokenizer", "train_tiny_tokenizer"],
+    "vision_expert": ["LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin"],
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = list(_WHERE)
 
-__all__ = [
-    "make_captcha_dataset", "TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_class_for", "model_config_dict",
-    "read_model_config", "save_pretrained_dir", "tiny_args", "tiny_config", "write_model_config",
-    "EmptyDatasetError", "ItemDataset", "data_collator", "EVA2CLIPModel", "EVA_CLIP_L_DEFAULTS",
-    "ExternalVisionModel", "GLU", "ImageMixin", "vision_args", "BlipImageEvalProcessor", "get_image_processor",
-    "JsonlDataset", "create_dataset_function",
-    "CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel", "TextProcessor",
-    "llama2_text_processor", "TinyRun", "build_tiny_model", "prepare_tiny_run", "check_vocab",
-    "llama2_tokenizer", "train_tiny_tokenizer", "LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin",
-]
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

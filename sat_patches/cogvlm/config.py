@@ -15,34 +15,7 @@ import os
 import shutil
 from typing import Optional
 
-EVA_E_ARGS = {  # EVA2-CLIP-E as released with CogVLM/CogAgent (eva_args of model_config.json)
-    "model_class": "EVA2CLIPModel", "num_layers": 63, "hidden_size": 1792, "num_attention_heads": 16,
-    "vocab_size": 1, "layernorm_order": "post", "model_parallel_size": 1, "max_sequence_length": 257,
-    "inner_hidden_size": 15360, "use_final_layernorm": False, "layernorm_epsilon": 1e-06,
-    "row_parallel_linear_final_bias": False, "image_size": [224, 224], "pre_len": 1, "post_len": 0,
-    "in_channels": 3, "patch_size": 14,
-}
-
-_LLAMA_7B = {
-    "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 32000,
-    "layernorm_order": "pre", "model_parallel_size": 1, "max_sequence_length": 4096,
-}
-
-UPSTREAM_CONFIGS = {
-    "cogvlm-base-490": {
-        "model_class": "CogVLMModel", "tokenizer_type": "vicuna-7b-v1.5", **_LLAMA_7B,
-        "use_bias": False, "inner_hidden_size": 11008, "image_length": 1225,
-        "eva_args": dict(EVA_E_ARGS, max_sequence_length=1226, image_size=[490, 490]),
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    },
-    "cogagent-chat": {
-        "model_class": "CogAgentModel", "tokenizer_type": "vicuna-7b-v1.5", "text_processor_version": "chat",
-        **_LLAMA_7B, "is_decoder": [True] * 32, "cross_attn_hidden_size": 1024, "use_bias": False,
-        "inner_hidden_size": 11008, "cross_hidden_size_per_attention_head": 32, "encoder_args": {},
-        "image_length": 256, "cross_image_pix": 1120, "eva_args": dict(EVA_E_ARGS),
-        "use_neft_noise": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    },
-}
+from .shapes import EVA_E_ARGS, UPSTREAM_CONFIGS  # noqa: F401  (the one table of model shapes)
 
 # The order in which model_config.json lists its fields (upstream's); other fields follow.
 CONFIG_FIELDS = [

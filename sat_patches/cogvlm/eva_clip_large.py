@@ -25,11 +25,8 @@ from torch import nn
 from sat.model.base_model import BaseMixin
 
 from .placement import Placement, make_module, zeros_parameter
+from .shapes import EVA_CLIP_L_DEFAULTS
 
-EVA_CLIP_L_DEFAULTS = {
-    "layers": 24, "width": 1024, "head_width": 64, "mlp_ratio": 2.6667, "patch_size": 14,
-    "embed_dim": 768, "pt_hw_seq_len": 16, "layernorm_epsilon": 1e-6,
-}
 
 
 def encoder_config(encoder_args: Optional[dict]) -> dict:

@@ -16,11 +16,14 @@ import sys
 from typing import List, Optional
 
 # attention heads of the language model (MP_SIZE must divide them); upstream model_config.json
-MODEL_HEADS = {
-    "cogvlm-base-224": 32, "cogvlm-base-490": 32, "cogvlm-chat-v1.1": 32, "cogvlm-grounding-base": 32,
-    "cogvlm-grounding-generalist": 32, "cogagent-chat": 32, "cogagent-vqa": 32,
-    "tiny-cogvlm": 4, "tiny-cogagent": 4,  # the CPU runs' tiny models
-}
+def model_heads_table() -> dict:
+    """Attention heads of every released model name and of the CPU runs' tiny models (one table of shapes:
+    :mod:`sat_patches.cogvlm.shapes`)."""
+    from ..cogvlm.config import tiny_config
+    from ..cogvlm.shapes import RELEASED, upstream_config
+    heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
+    heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in ("cogvlm", "cogagent")})
+    return heads
 
 
 def _int(env: dict, name: str, default: Optional[int], errors: List[str], minimum: int = 1) -> Optional[int]:
@@ -68,7 +71,7 @@ def model_heads(env: dict) -> Optional[int]:
     if source and os.path.isfile(config):
         with open(config) as f:
             return json.load(f).get("num_attention_heads")
-    return MODEL_HEADS.get(os.path.basename(source.rstrip("/")))
+    return model_heads_table().get(os.path.basename(source.rstrip("/")))
 
 
 def in_checkout(env: dict) -> Optional[str]:

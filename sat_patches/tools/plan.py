@@ -42,32 +42,26 @@ GB = 1e9
 GiB = 2 ** 30
 
 # --------------------------------------------------------------------------------------
-# Model shapes: upstream model_config.json fields
+# Model shapes: the released model_config.json fields (sat_patches.cogvlm.shapes, the models' own table)
 # --------------------------------------------------------------------------------------
-LLAMA_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=32000,
-                inner_hidden_size=11008, use_bias=False)
-EVA2_CLIP_E = dict(num_layers=63, hidden_size=1792, num_attention_heads=16, inner_hidden_size=15360,
-                   vocab_size=1, patch_size=14, in_channels=3)
-EVA2_CLIP_L_ENCODER = dict(layers=24, width=1024, head_width=64, mlp_ratio=2.6667, patch_size=14, embed_dim=768)
-
-
-def _cogvlm(pixels: int) -> dict:
-    tokens = (pixels // 14) ** 2
-    return dict(model_class="CogVLMModel", **LLAMA_7B, image_length=tokens, num_vision_layers=32,
-                eva_args=dict(EVA2_CLIP_E, image_size=[pixels, pixels], max_sequence_length=tokens + 1))
-
-
-def _cogagent() -> dict:
-    config = _cogvlm(224)
-    config.update(model_class="CogAgentModel", cross_attn_hidden_size=1024, cross_hidden_size_per_attention_head=32,
-                  cross_image_pix=1120, encoder_args=dict(EVA2_CLIP_L_ENCODER))
+def plan_config(config: dict) -> dict:
+    """A CogVLM/CogAgent ``model_config.json`` as the plan reads it: every language layer has vision experts
+    (upstream's models add them to all of them), CogAgent's encoder with the code's defaults."""
+    from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS
+    config = copy.deepcopy(config)
+    if config.get("model_class", "").startswith(("CogVLM", "CogAgent", "FineTuneTrainCog")):
+        config.setdefault("num_vision_layers", config["num_layers"])
+    if config.get("cross_image_pix"):
+        config["encoder_args"] = {**EVA_CLIP_L_DEFAULTS, **(config.get("encoder_args") or {})}
     return config
 
 
-MODELS = {
-    "cogvlm-base-224": _cogvlm(224), "cogvlm-base-490": _cogvlm(490), "cogvlm-chat-v1.1": _cogvlm(490),
-    "cogvlm-grounding-generalist": _cogvlm(490), "cogagent-chat": _cogagent(), "cogagent-vqa": _cogagent(),
-}
+def _released() -> Dict[str, dict]:
+    from ..cogvlm.shapes import RELEASED, upstream_config
+    return {name: plan_config(upstream_config(name)) for name in RELEASED}
+
+
+MODELS = _released()
 # upstream finetune_demo --max_length (it includes the image tokens)
 DEMO_MAX_LENGTH = {490: 1288, 224: 400}
 
@@ -482,9 +476,7 @@ def resolve_model(name: str) -> dict:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
-        if config.get("model_class", "").startswith(("CogVLM", "CogAgent", "FineTuneTrainCog")):
-            config.setdefault("num_vision_layers", 32)
-        return config
+        return plan_config(config)
     raise SystemExit(f"sat-patches plan: unknown model {name!r}: give one of {', '.join(MODELS)} "
                      f"or a checkpoint directory / model_config.json")
 
