@@ -76,9 +76,13 @@ class JsonlDataset(ItemDataset):
         return self.item(sample.image, sample.answer, self.prompt_of(sample), sample.id)
 
 
-def create_dataset_function(image_processor: Callable, text_processor: Callable, cross_image_processor, path: str,
-                            args) -> ItemDataset:
-    """Upstream demo's signature: a ``.jsonl`` file gives a :class:`JsonlDataset`, a folder the
-    ``<label>.jpg`` ``ItemDataset``."""
+def create_dataset_function(image_processor: Callable, text_processor: Callable, *rest) -> ItemDataset:
+    """Upstream demos' signature: ``(image_processor, text_processor, cross_image_processor, path, args)``
+    (CogAgent's and today's CogVLM demo) or ``(image_processor, text_processor, path, args)`` (earlier CogVLM
+    demos). A ``.jsonl`` file gives a :class:`JsonlDataset`, a folder the ``<label>.jpg`` ``ItemDataset``."""
+    if len(rest) not in (2, 3):
+        raise TypeError(f"create_dataset_function takes (image_processor, text_processor, [cross_image_processor,] "
+                        f"path, args): got {2 + len(rest)} arguments")
+    cross, path, args = rest if len(rest) == 3 else (None, *rest)
     cls = JsonlDataset if str(path).endswith(".jsonl") else ItemDataset
-    return cls(image_processor, text_processor, args, path, cross_image_processor=cross_image_processor)
+    return cls(image_processor, text_processor, args, path, cross_image_processor=cross)

@@ -112,3 +112,15 @@ def test_an_empty_data_set_is_refused_before_the_model_is_built(tiny, tmp_path):
     assert r.result is not None, (r.exception or "") + r.output[-3000:]
     assert not r.result["built"]
     assert r.result["error"] == f"DataError: {empty} holds no usable sample: add records, one JSON object per line"
+
+
+def test_create_dataset_function_takes_both_upstream_signatures(tiny):
+    from sat_patches.cogvlm import ItemDataset, JsonlDataset, create_dataset_function
+    data, _ = dataset(tiny, tiny.valid_jsonl)
+    image, text, args = data.image_processor, data.text_processor, None
+    cogagent_demo = create_dataset_function(image, text, None, tiny.valid_jsonl, args)   # (image, text, cross, path, args)
+    cogvlm_demo = create_dataset_function(image, text, tiny.valid_dir, args)              # (image, text, path, args)
+    assert isinstance(cogagent_demo, JsonlDataset) and len(cogagent_demo) == len(data)
+    assert type(cogvlm_demo) is ItemDataset and len(cogvlm_demo) == len(os.listdir(tiny.valid_dir))
+    with pytest.raises(TypeError, match="takes \\(image_processor, text_processor"):
+        create_dataset_function(image, text, tiny.valid_dir)
