@@ -109,9 +109,9 @@ def load_for_generation(ckpt: str, kind: str, mp: int):
     if manifest is None:
         model, args = cls.from_pretrained(ckpt, None, build_only=True, overwrite_args=size)
     else:
-        base = manifest["base"]
-        model, args = cls.from_pretrained(base["path"], None, overwrite_args=size, specific_iteration=(
-            None if base["iteration"] == "release" else base["iteration"]))
+        base = adapter.base_checkpoint(manifest, ckpt)
+        model, args = cls.from_pretrained(base.path, None, overwrite_args=size,
+                                          specific_iteration=None if base.release else base.iteration)
         config = read_model_config(ckpt)
         for key in ("use_lora", "use_qlora", "lora_rank", "layer_range"):
             setattr(args, key, config.get(key, getattr(args, key, None)))
@@ -150,6 +150,7 @@ def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, ve
     import torch.distributed as dist
     from sat import mpu
     from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer
+    from .checkpoints.writer import write_text_atomic
     from .data.jsonl import write_jsonl
     from .finetune import processors
     module = getattr(model, "module", model)
@@ -184,10 +185,7 @@ def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, ve
     os.makedirs(out, exist_ok=True)
     write_jsonl(os.path.join(out, "predictions.jsonl"), [{k: r[k] for k in ("id", "image", "prompt", "answer",
                                                                             "prediction", "exact")} for r in rows])
-    tmp = os.path.join(out, f"summary.json.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(tmp, os.path.join(out, "summary.json"))
+    write_text_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
     print(summary_line(summary, data) + f" (predictions: {os.path.join(out, 'predictions.jsonl')})", flush=True)
     return summary
 

@@ -98,9 +98,10 @@ DEMO_TRAINABLE = {
 def disable_untrainable_params(model):
     """What upstream's demo trains: the adapters and :data:`DEMO_TRAINABLE`. ``SAT_PATCHES_TRAINABLE=lora``
     (the finetune scripts' default for this trainer) narrows it to the adapters."""
+    from .checkpoints.adapter import is_adapter
     kind = getattr(model.args, "kind", "cogvlm")
     for name, p in model.named_parameters():
-        p.requires_grad_("matrix_A" in name or "matrix_B" in name or DEMO_TRAINABLE[kind](name.lower()))
+        p.requires_grad_(is_adapter(name) or DEMO_TRAINABLE[kind](name.lower()))
 
 
 # ----------------------------------------------------------------------------- set-up

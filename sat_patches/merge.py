@@ -125,14 +125,9 @@ def write_checkpoint(model, config: dict, out_dir: str) -> None:
 
 def adapter_base(ckpt, checkpoint: str):
     """The mapped shards of the base an adapter-only save names (checked against its fingerprint), or None."""
-    from .checkpoints import adapter, files, sharding
+    from .checkpoints import adapter, sharding
     manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
-    if manifest is None:
-        return None
-    named = manifest["base"]
-    base = files.find_checkpoint(named["path"], None if named["iteration"] == "release" else named["iteration"])
-    adapter.check_base(manifest, adapter.fingerprint(base), checkpoint)
-    return sharding.ShardedSource(base)
+    return None if manifest is None else sharding.ShardedSource(adapter.base_checkpoint(manifest, checkpoint))
 
 
 def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None, overwrite: bool = False,
@@ -140,7 +135,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     """Merge ``checkpoint`` (any model-parallel size, LoRA or not) into an MP=1 checkpoint at
     ``out_dir`` with the LoRA products folded into the base weights. Raises :class:`MergeError` /
     :class:`CheckpointError` for input it cannot use. Returns what was merged."""
-    from .checkpoints import files, sharding
+    from .checkpoints import adapter, files, sharding
     from .checkpoints.state import load_state, meta_tensors
     from .core import coordination
     from .patches import construction
@@ -163,7 +158,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     paths = inject_lora(model, state, lora_alpha)
     missing, unexpected = load_state(model, source)
     if base:
-        missing = [k for k in missing if "matrix_A" in k or "matrix_B" in k] + meta_tensors(model)
+        missing = [k for k in missing if adapter.is_adapter(k)] + meta_tensors(model)
     if missing or unexpected:
         raise MergeError(f"{checkpoint} does not fit {config['model_class']}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")

@@ -23,12 +23,17 @@ import json
 import os
 from typing import Dict, Optional
 
-from .files import Checkpoint, CheckpointError
+from .files import Checkpoint, CheckpointError, find_checkpoint
 
 MANIFEST = "adapter.json"
 SETTING = "SAT_PATCHES_SAVE_ADAPTER_ONLY"
 BASE_ATTRIBUTE = "sat_patches_base"   # set on a model by loading a whole checkpoint: its fingerprint()
 _BLOCKS, _BLOCK = 16, 64 * 1024
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA matrix (SAT's ``LoraLinear``: ``matrix_A.i`` / ``matrix_B.i``)."""
+    return "matrix_A" in name or "matrix_B" in name
 
 
 class AdapterError(CheckpointError):
@@ -66,7 +71,7 @@ def adapter_only(module) -> bool:
         return False
     base = getattr(module, BASE_ATTRIBUTE, None)
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-    lora_only = bool(trainable) and all("matrix_A" in n or "matrix_B" in n for n in trainable)
+    lora_only = bool(trainable) and all(is_adapter(n) for n in trainable)
     if chosen and (base is None or not lora_only):
         import warnings
         from ..core.registry import SatPatchesWarning
@@ -92,6 +97,14 @@ def read_manifest(folder: str) -> Optional[Dict]:
             or not {"path", "iteration", "sha256"} <= set(manifest["base"]):
         raise AdapterError(f"{path} does not name a base checkpoint (path, iteration, sha256): the save is damaged")
     return manifest
+
+
+def base_checkpoint(manifest: Dict, where: str) -> Checkpoint:
+    """The base checkpoint a manifest names, refused unless its files still have the manifest's fingerprint."""
+    named = manifest["base"]
+    base = find_checkpoint(named["path"], None if named["iteration"] == "release" else named["iteration"])
+    check_base(manifest, fingerprint(base), where)
+    return base
 
 
 def check_base(manifest: Dict, have: Dict, where: str) -> None:

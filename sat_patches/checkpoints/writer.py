@@ -20,8 +20,6 @@ import shutil
 import sys
 from typing import Iterator, Mapping, Optional
 
-import torch
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -64,6 +62,7 @@ def save_atomic(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temporary file renamed into place (several writers of the
     same file, e.g. data-parallel ranks holding the same shard, cannot mix their bytes)."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    import torch
     torch.save(obj, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())

@@ -188,11 +188,6 @@ def check_data_path(path: str) -> List[str]:
 
 
 def write_jsonl(path: str, records: List[Dict]) -> None:
-    """Write ``records`` one per line, atomically (a temporary file renamed over ``path``)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``records`` one per line, atomically (:func:`sat_patches.checkpoints.writer.write_text_atomic`)."""
+    from ..checkpoints.writer import write_text_atomic
+    write_text_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))

@@ -87,7 +87,7 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
         missing, unexpected = load_state(module, source, after=nf4_as_loaded(module, args))
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
-        missing = [k for k in missing if "matrix_A" in k or "matrix_B" in k]
+        missing = [k for k in missing if adapter.is_adapter(k)]
     else:
         setattr(module, adapter.BASE_ATTRIBUTE, adapter.fingerprint(ckpt))
     if unexpected:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 
+from ..checkpoints.adapter import is_adapter
 from ..core.registry import Patch, expect_names
 
 ENV = "SAT_PATCHES_TRAINABLE"
@@ -23,10 +24,6 @@ def setting() -> str:
     if value not in CHOICES:
         raise ValueError(f"{ENV}={value!r}: set it to 'lora' (adapters only) or 'demo' (what the script trains)")
     return value
-
-
-def is_adapter(name: str) -> bool:
-    return "matrix_A" in name or "matrix_B" in name
 
 
 def adapters_only(model) -> int:

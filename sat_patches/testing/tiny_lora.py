@@ -34,8 +34,9 @@ def model_class():
             self.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=None), reinit=True)
 
         def disable_untrainable_params(self):
+            from sat_patches.checkpoints.adapter import is_adapter
             for name, p in self.named_parameters():
-                p.requires_grad_("matrix_A" in name or "matrix_B" in name)
+                p.requires_grad_(is_adapter(name))
 
         @classmethod
         def add_model_specific_args(cls, parser):
