@@ -75,3 +75,19 @@ def test_untrusted_old_torch_cannot_check_and_says_so(tmp_path, monkeypatch):
     monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint")
     with pytest.raises(safe_load.UnsafeCheckpointError, match="upgrade torch, or set SAT_PATCHES_TRUST_CHECKPOINTS=1"):
         safe_load.load(str(tmp_path / "f.pt"))
+
+
+def test_an_fp16_zero_shards_dynamic_loss_scaler_loads_safely_and_only_because_it_is_allowed(tmp_path, monkeypatch):
+    """fp16 ZeRO optimizer shards pickle DeepSpeed's ``DynamicLossScaler`` (the state resume needs); built here
+    directly, since DeepSpeed trains fp16 on CPU ranks only where the CPU has AVX512-FP16."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    path = str(tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    scaler = DynamicLossScaler(init_scale=2 ** 12, scale_window=100, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    torch.save({"optimizer_state_dict": {"loss_scaler": scaler, "dynamic_loss_scale": True}}, path)
+    loaded = safe_load.load(path)["optimizer_state_dict"]["loss_scaler"]
+    assert isinstance(loaded, DynamicLossScaler) and loaded.cur_scale == 2 ** 12
+    name = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    monkeypatch.setattr(safe_load, "ALLOWED", tuple(n for n in safe_load.ALLOWED if n != name))
+    with pytest.raises(safe_load.UnsafeCheckpointError, match="DynamicLossScaler"):
+        safe_load.load(path)

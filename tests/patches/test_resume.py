@@ -77,10 +77,13 @@ def train_stop_resume(root):
         other = stopped(f"stop-{name}", bf16, removed=[name])
         out[name] = losses(name, bf16 + ["--load", other, "--save", os.path.join(root, name)])
 
-    fp16 = ["--zero-stage", "2", "--fp16"]  # DeepSpeed's dynamic loss scaler is in the optimizer shards
-    out["fp16_full"] = losses("fp16-full", fp16 + ["--save", os.path.join(root, "fp16-full")])
-    out["fp16_resumed"] = losses("fp16-resumed", fp16 + ["--load", stopped("fp16-stop", fp16),
-                                                         "--save", os.path.join(root, "fp16-resumed")])
+    from deepspeed.accelerator import get_accelerator
+    out["fp16"] = bool(get_accelerator().is_fp16_supported())  # DeepSpeed's CPU accelerator: AVX512-FP16 CPUs only
+    if out["fp16"]:
+        fp16 = ["--zero-stage", "2", "--fp16"]  # DeepSpeed's dynamic loss scaler is in the optimizer shards
+        out["fp16_full"] = losses("fp16-full", fp16 + ["--save", os.path.join(root, "fp16-full")])
+        out["fp16_resumed"] = losses("fp16-resumed", fp16 + ["--load", stopped("fp16-stop", fp16),
+                                                             "--save", os.path.join(root, "fp16-resumed")])
 
     fp32 = ["--zero-stage", "0"]
     out["fp32_full"] = losses("fp32-full", fp32 + ["--save", os.path.join(root, "fp32-full")])
@@ -172,7 +175,8 @@ def test_resumed_losses_equal_the_uninterrupted_run(runs):
         assert rank["full"][:4] != rank["full"][4:]                        # the run does move
         assert _gap(rank["resumed"], rank["full"]) < 1e-6, (rank["resumed"], rank["full"])   # ZeRO-2 bf16
         assert _gap(rank["fp32_resumed"], rank["fp32_full"]) < 1e-6, (rank["fp32_resumed"], rank["fp32_full"])
-        assert _gap(rank["fp16_resumed"], rank["fp16_full"]) < 1e-6, (rank["fp16_resumed"], rank["fp16_full"])
+        if rank["fp16"]:  # else DeepSpeed refuses fp16 on this CPU ("Type fp16 is not supported on your device")
+            assert _gap(rank["fp16_resumed"], rank["fp16_full"]) < 1e-6, (rank["fp16_resumed"], rank["fp16_full"])
     assert runs[0]["full"] == runs[1]["full"]                              # MP ranks see one loss
 
 
@@ -208,9 +212,12 @@ def test_real_saves_need_only_the_allow_list_and_a_payload_in_an_optimizer_shard
     numpy_core = "numpy._core" if int(numpy.__version__.split(".")[0]) >= 2 else "numpy.core"
     for rank in runs:
         # every saved file (ZeRO-2 bf16 and fp16, fp32 without ZeRO, LoRA, MP=2, RNG states) was loaded safely by the
-        # resumes above; these are exactly the types it needed, and exactly the allow-list for this numpy
+        # resumes above; these are exactly the types it needed, and exactly the allow-list for this numpy (fp16's
+        # dynamic loss scaler only where fp16 ran: test_safe_load covers it on any CPU)
+        fp16_only = set() if rank["fp16"] else {"deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}
         assert rank["unsafe_globals"] == sorted(
-            n for n in safe_load.ALLOWED if not n.startswith(("numpy.core", "numpy._core")) or n.startswith(numpy_core))
+            n for n in safe_load.ALLOWED if (not n.startswith(("numpy.core", "numpy._core")) or n.startswith(numpy_core))
+            and n not in fp16_only)
         assert rank["payload"] and "system" in rank["payload"] and "optim_states.pt" in rank["payload"]
         assert not rank["payload_ran"]
 
