@@ -16,7 +16,9 @@ ranks; bf16/fp16 unless fp32):
   two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
   fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
 * activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
-  else every layer's working set (measured: ``benchmarks/plan_calibration.py``); the logits of the full
+  else every layer's working set, per kind of layer (the vision-expert LLaMA layer, with CogAgent's cross
+  attention; the EVA2-CLIP-E layer) as measured on the real model at full size
+  (``sat_patches.testing.layer_bytes``, ``benchmarks/plan_calibration.py``); the logits of the full
   vocabulary on every rank (the LM head gathers them) as the loss's four fp32 tensors; the EVA tower's
   activations when any of its weights train (LoRA on EVA does).
 * a fixed runtime share: CUDA context, NCCL and allocator slack on a GPU; the Python/torch/SAT/
@@ -142,6 +144,11 @@ def eva_parts(c: dict) -> List[Part]:
     return [tower, Part("GLU adapter", 0, glu)]
 
 
+def cross_tokens(c: dict) -> int:
+    """Image tokens of CogAgent's high-resolution encoder."""
+    return (c["cross_image_pix"] // c["encoder_args"]["patch_size"]) ** 2
+
+
 def cross_parts(c: dict) -> List[Part]:
     """CogAgent: cross attention in every language layer and the high-resolution EVA2-CLIP-L encoder."""
     if not c.get("cross_image_pix"):
@@ -152,7 +159,7 @@ def cross_parts(c: dict) -> List[Part]:
              _linear(inner, h, False, "row"), Part("", 0, h)]
     enc = c["encoder_args"]
     w, m, p = enc["width"], int(enc["width"] * enc["mlp_ratio"]), enc["patch_size"]
-    n = (c["cross_image_pix"] // p) ** 2
+    n = cross_tokens(c)
     block = 2 * w + 2 * w + 3 * w * w + 2 * w + w * w + w + 2 * w + 2 * (m * w + m) + 2 * m + w * m + w
     encoder = (n * w + w + (n + 1) * w + 3 * w * p * p + w + enc["layers"] * block + 2 * w
                + enc["embed_dim"] * w + enc["embed_dim"])
@@ -277,21 +284,66 @@ class Estimate:
                     host_per_node=self.host_node, host_stock_per_node=self.host_stock_node)
 
 
-def _layer_working_set(tokens, hidden, ffn, heads_local, mp, wb) -> float:
-    """Bytes autograd keeps for one transformer layer whose base is frozen: hidden-size tensors (input,
-    norms, attention output, residual, expert routing copies), qkv/context (split), three ffn-wide tensors
-    of the gated MLP (split: the gate, its activation and the up projection; the frozen down projection
-    keeps nothing), and per local head the fp32 log-sum-exp of the attention, which SAT computes with
-    ``scaled_dot_product_attention`` for CogVLM's causal (and EVA's full) masks: no score matrix is kept.
-    Within 15% of a real layer's saved tensors (``tests/tools/test_plan_calibration.py``)."""
-    return tokens * wb * (8 * hidden + 4 * hidden / mp + 3 * ffn / mp) + tokens * heads_local * 4
+@dataclass(frozen=True)
+class LayerKeeps:
+    """Values one layer keeps for backward, per token: of the hidden size whole on every model-parallel rank
+    (input, norms, residual, routing copies), of the hidden size split over the ranks (qkv, rotary, context,
+    expert outputs), of its MLP width (split); plus one fp32 log-sum-exp per local head: SAT runs CogVLM's
+    causal and EVA's full attention through ``scaled_dot_product_attention``, whose fused kernels keep no
+    score matrix. Measured on the real model at full size (``sat_patches.testing.layer_bytes``)."""
+    whole: float
+    split: float
+    ffn: float
+
+    def bytes(self, tokens, hidden, ffn, heads, mp, wb) -> float:
+        values = self.whole * hidden + (self.split * hidden + self.ffn * ffn) / mp
+        return tokens * wb * values + tokens * heads / mp * 4
+
+
+# With the base frozen and LoRA on the attention: the vision-expert LLaMA layer keeps three MLP-wide values (the
+# gate, its SiLU, the up projection; the frozen down projection keeps nothing), the EVA2-CLIP-E layer one (the
+# GELU's input). A trained EVA MLP (upstream's demo) also keeps the inputs of its two linears.
+LANGUAGE_LAYER = LayerKeeps(whole=6, split=6, ffn=3)
+EVA_LAYER = LayerKeeps(whole=3, split=6, ffn=1)
+EVA_LAYER_MLP_TRAINED = LayerKeeps(whole=4, split=6, ffn=2)
+# upstream's CogAgent demo trains the vision experts and the cross attention: more per vision token (boi + image)
+EXPERTS_TRAINED = LayerKeeps(whole=5, split=1, ffn=1)
+# a layer of CogAgent's EVA2-CLIP-L encoder when it trains (upstream's demo); plain torch: never split
+ENCODER_LAYER = LayerKeeps(whole=10, split=0, ffn=5)
+
+
+def cross_layer_bytes(c: dict, tokens: int, mp: int, wb: int) -> float:
+    """CogAgent's cross attention in one language layer: the encoder's output as LoRA's input to the keys and
+    values (whole), the keys and values (split), the query side at the text length; the mask is full, so
+    the fused attention keeps no score matrix."""
+    n = cross_tokens(c)
+    inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
+    return wb * (n * (c["cross_attn_hidden_size"] + 2 * inner / mp) + tokens * (c["hidden_size"] + 2 * inner / mp))
+
+
+def _stack(per_layer: List[float], layer_input: float, checkpointed: bool) -> float:
+    """Activations of a stack of layers that keep ``per_layer`` each: with activation checkpointing each keeps
+    its input and one layer at a time is recomputed in backward."""
+    return len(per_layer) * layer_input + max(per_layer) if checkpointed else sum(per_layer)
+
+
+def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
+    """EVA layers whose MLP trains: upstream's demo trains CogVLM's layers 46-54 and CogAgent's whole tower."""
+    layers = c["eva_args"]["num_layers"]
+    if s.train != "demo":
+        return 0
+    return layers if c.get("cross_image_pix") else len([i for i in range(layers) if 45 < i < 55])
 
 
 def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     wb, b, mp, t = s.weight_bytes, s.micro_batch, s.mp, s.seq_len
     h, f, L = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"]
-    one = b * _layer_working_set(t, h, f, c["num_attention_heads"] / mp, mp, wb)
-    out = {"activations (language)": (L * b * t * h * wb + one) if s.checkpoint_activations else L * one}
+    one = b * LANGUAGE_LAYER.bytes(t, h, f, c["num_attention_heads"], mp, wb)
+    if c.get("cross_image_pix"):
+        one += b * cross_layer_bytes(c, t, mp, wb)
+        if s.train == "demo":
+            one += b * EXPERTS_TRAINED.bytes(c["image_length"] + 1, h, f, 0, mp, wb)
+    out = {"activations (language)": _stack([one] * L, b * t * h * wb, s.checkpoint_activations)}
     # the LM head gathers its output (ColumnParallelLinear, gather_output=True): every rank holds the full vocabulary;
     # at the loss's peak four fp32 (b, t, vocab) tensors are alive: the logits, their shifted copy, the log-softmax
     # and its gradient (sat_patches.testing.live_bytes on the head and loss, at MP 1 and 2)
@@ -299,25 +351,23 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     e = c.get("eva_args")
     if e:
         et = e["max_sequence_length"]
-        one_eva = b * _layer_working_set(et, e["hidden_size"], e["inner_hidden_size"],
-                                         e["num_attention_heads"] / mp, mp, wb)
-        if not eva_trains:
-            out["activations (EVA)"] = one_eva
-        elif s.checkpoint_activations:
-            out["activations (EVA)"] = e["num_layers"] * b * et * e["hidden_size"] * wb + one_eva
-        else:
-            out["activations (EVA)"] = e["num_layers"] * one_eva
+
+        def eva_layer(keeps: LayerKeeps) -> float:
+            return b * keeps.bytes(et, e["hidden_size"], e["inner_hidden_size"], e["num_attention_heads"], mp, wb)
+        trained_mlp = _eva_mlp_trained_layers(c, s)
+        layers = ([eva_layer(EVA_LAYER_MLP_TRAINED)] * trained_mlp
+                  + [eva_layer(EVA_LAYER)] * (e["num_layers"] - trained_mlp))
+        out["activations (EVA)"] = (_stack(layers, b * et * e["hidden_size"] * wb, s.checkpoint_activations)
+                                    if eva_trains else eva_layer(EVA_LAYER))
     if c.get("cross_image_pix"):
-        enc = c["encoder_args"]
-        n = (c["cross_image_pix"] // enc["patch_size"]) ** 2
-        heads_local = c["num_attention_heads"] / mp
-        inner = heads_local * c["cross_hidden_size_per_attention_head"]
-        # the encoder's working set (memory-efficient attention; every layer's when it trains, upstream does
-        # not checkpoint it), each language layer's cross keys/values, one layer's cross-attention scores
-        encoder_layers = enc["layers"] if s.train == "demo" else 1
-        out["activations (cross branch)"] = b * (
-            encoder_layers * n * wb * (8 * enc["width"] + 4 * enc["width"] * enc["mlp_ratio"])
-            + L * n * 2 * inner * wb + t * n * heads_local * (2 * wb + 1))
+        enc, n = c["encoder_args"], cross_tokens(c)
+        # the encoder's output, which every layer's cross attention reads; frozen (TRAINABLE=lora), the encoder
+        # keeps nothing else for backward; trained (demo), every layer's values (upstream does not checkpoint it)
+        out["activations (cross branch)"] = b * n * enc["width"] * wb
+        if s.train == "demo":
+            width = enc["width"]
+            layer = ENCODER_LAYER.bytes(n, width, width * enc["mlp_ratio"], width // enc["head_width"], 1, wb)
+            out["activations (cross branch)"] += b * enc["layers"] * layer
     return out
 
 

@@ -1,8 +1,14 @@
 """The plan's terms against the bytes the code allocates, counted on meta tensors at full size
-(``sat_patches.testing.live_bytes``): the counter itself, and the LM head with its loss."""
+(``sat_patches.testing.live_bytes``): the counter itself, the LM head with its loss, one layer of each kind
+of the real CogVLM / CogAgent (``sat_patches.testing.layer_bytes``) with and without activation
+checkpointing at model-parallel sizes 1 and 2 (``test_plan_whole_step.py``: a whole training step)."""
+import copy
+
 import pytest
 import torch
 
+from sat_patches.cogvlm.shapes import upstream_config
+from sat_patches.testing.layer_bytes import layer_bytes
 from sat_patches.testing.live_bytes import LiveBytes, head_and_loss_peak
 from sat_patches.tools import plan
 
@@ -56,6 +62,50 @@ def test_the_layer_term_is_the_measured_layer(layers_measured, shape):
     """A real vision-expert layer (CPU, bf16 and fp32) against the plan's per-layer working set at its
     widths: the plan's coefficients hold at any width and length, so small widths check them in seconds."""
     hidden, ffn, heads, tokens, dtype = shape
-    planned = plan._layer_working_set(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
+    planned = plan.LANGUAGE_LAYER.bytes(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
     measured = layers_measured[shape]
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
+def _planned_activations(config: dict, mp: int, checkpoint: bool, layers: dict, train: str = "lora") -> dict:
+    """The plan's activation terms for ``config`` with ``layers`` of each kind (micro-batch 1)."""
+    c = copy.deepcopy(plan.plan_config(config))
+    c["num_layers"] = layers.get("language", 1)
+    c["eva_args"]["num_layers"] = layers.get("eva", 1)
+    if "encoder_args" in c:
+        c["encoder_args"]["layers"] = layers.get("encoder", 1)
+    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
+                       train=train)
+    return plan._activations(c, setup, eva_trains=True)
+
+
+TERM = {"language": "activations (language)", "eva": "activations (EVA)", "encoder": "activations (cross branch)"}
+LAYER_TERMS = [(name, kind, train) for name in ("cogvlm-base-490", "cogagent-chat") for kind in ("language", "eva")
+               for train in ("lora", "demo") if train == "lora" or name == "cogagent-chat"] \
+    + [("cogagent-chat", "encoder", "demo")]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("mp", [1, 2])
+@pytest.mark.parametrize("name, kind, train", LAYER_TERMS, ids=lambda v: str(v))
+def test_a_layer_term_is_the_measured_layer_at_full_size(name, kind, train, mp, checkpoint):
+    """One more layer of each kind, at full width, the real max_length and image sizes, training the LoRA
+    adapters (and, for ``demo``, what upstream's CogAgent demo trains besides): the plan's step in its
+    activation term equals what the real model keeps, within 15%. CogAgent's language layer includes its cross
+    attention to the 6400 encoder tokens; its encoder is not checkpointed."""
+    from sat_patches.finetune import DEMO_TRAINABLE
+    config = upstream_config(name)
+    trains = DEMO_TRAINABLE["cogagent"] if train == "demo" else (lambda n: False)
+    measured = layer_bytes(config, kind, mp, checkpoint=checkpoint, trains=trains)
+    three, two = (_planned_activations(config, mp, checkpoint, {kind: n}, train)[TERM[kind]] for n in (3, 2))
+    assert abs((three - two) / measured - 1) < 0.15, (three - two, measured)
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_an_eva_layer_whose_mlp_trains_is_the_measured_layer(mp):
+    """Upstream's CogVLM demo trains the MLP of EVA layers 46-54: such a layer at full size against the plan's."""
+    e = upstream_config("cogvlm-base-490")["eva_args"]
+    measured = layer_bytes(upstream_config("cogvlm-base-490"), "eva", mp, trains=lambda n: "vit" in n and ".mlp" in n)
+    planned = plan.EVA_LAYER_MLP_TRAINED.bytes(e["max_sequence_length"], e["hidden_size"], e["inner_hidden_size"],
+                                               e["num_attention_heads"], mp, 2)
     assert abs(planned / measured - 1) < 0.15, (planned, measured)

@@ -1,0 +1,28 @@
+"""The plan's activation terms against a whole training step of the released model at full size, on meta
+(``sat_patches.testing.layer_bytes.step_peak``): every layer, activation checkpointing on as the scripts
+set it, for both ``TRAINABLE`` settings."""
+import pytest
+
+from sat_patches.cogvlm.shapes import upstream_config
+from sat_patches.finetune import DEMO_TRAINABLE
+from sat_patches.testing.layer_bytes import step_peak
+from sat_patches.tools import plan
+
+from test_plan_calibration import _planned_activations
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("train", ["lora", "demo"])
+@pytest.mark.parametrize("name, kind", [("cogvlm-base-490", "cogvlm"), ("cogagent-chat", "cogagent")])
+def test_the_plans_activations_cover_a_whole_step_by_at_most_30_percent(name, kind, train):
+    """The plan adds its terms' peaks, which come at different moments of the step: it may plan more than the
+    step's peak, never less."""
+    config = upstream_config(name)
+    c = plan.plan_config(config)
+    layers = {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
+              "encoder": c.get("encoder_args", {}).get("layers", 1)}
+    trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
+    measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
+    planned = sum(_planned_activations(config, 1, True, layers, train).values())
+    assert measured <= planned <= 1.3 * measured, (planned, measured)
