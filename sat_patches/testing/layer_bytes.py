@@ -33,29 +33,6 @@ def _with_layers(config: dict, counts: Dict[str, int]) -> dict:
 
 
 @contextlib.contextmanager
-def collectives_as_shapes(mp: int):
-    """SAT's model-parallel collectives as their output shapes, wherever a loaded module imported them."""
-    import sys
-    import sat.mpu.mappings as mappings
-    stand_ins = {
-        "gather_from_model_parallel_region": lambda x: torch.cat([x] * mp, dim=-1),
-        "scatter_to_model_parallel_region": lambda x: x[..., : x.shape[-1] // mp].contiguous(),
-        "copy_to_model_parallel_region": lambda x: x,
-        "reduce_from_model_parallel_region": lambda x: x,
-    }
-    originals = {getattr(mappings, name): stand_in for name, stand_in in stand_ins.items()}
-    with contextlib.ExitStack() as stack:
-        for module in list(sys.modules.values()):
-            if not getattr(module, "__name__", "").startswith(("sat", "sat_patches")):
-                continue
-            for name in stand_ins:
-                found = getattr(module, name, None)
-                if found in originals:
-                    stack.enter_context(mock.patch.object(module, name, originals[found]))
-        yield
-
-
-@contextlib.contextmanager
 def fused_attention():
     """``scaled_dot_product_attention`` as the fused kernels that run it on a GPU (flash, memory-efficient)
     and on a CPU: on meta, torch would pick its math fallback, which materialises the score matrix those
@@ -112,7 +89,7 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     from sat.model.finetune.lora2 import LoraMixin
     from ..patches import devices
     from ..tools.plan import default_seq_len, plan_config
-    from .full_size import build_on_meta, model_parallel_as
+    from .full_size import build_on_meta, collectives_as_shapes, model_parallel_as
     from .live_bytes import LiveBytes
     from .meta_values import MetaValues
     counts = {kind: 1 for kind in KINDS}

@@ -11,9 +11,7 @@ the memory of a real run). Storages that existed before the region (parameters, 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict
-from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,21 +53,12 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-@contextlib.contextmanager
-def collectives_stood_in(mp):
-    """SAT's model-parallel gather and copy as their output shapes (no process group on meta)."""
-    import sat.mpu.layers as layers
-    with mock.patch.object(layers, "gather_from_model_parallel_region", lambda x: torch.cat([x] * mp, dim=-1)), \
-            mock.patch.object(layers, "copy_to_model_parallel_region", lambda x: x):
-        yield
-
-
 def head_and_loss_peak(mp, tokens, hidden, vocab):
     """Forward and backward of the LM head (SAT's ColumnParallelLinear with gather_output, as
     ``sat_patches.cogvlm.llama.LMMixin``) and the loss of ``sat_patches.finetune.lm_loss``, in bf16."""
     from sat.mpu import ColumnParallelLinear
-    from .full_size import model_parallel_as
-    with model_parallel_as(mp), collectives_stood_in(mp):
+    from .full_size import collectives_as_shapes, model_parallel_as
+    with model_parallel_as(mp), collectives_as_shapes(mp):
         head = ColumnParallelLinear(hidden, vocab, gather_output=True, bias=False, params_dtype=torch.bfloat16,
                                     skip_init=True, device="meta").requires_grad_(False)
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
