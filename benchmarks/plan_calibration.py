@@ -48,27 +48,14 @@ def layer_table() -> bool:
     return ok
 
 
-def _planned(config: dict, mp: int, checkpoint: bool, layers: dict, train: str) -> dict:
-    import copy
-    from sat_patches.tools import plan
-    c = copy.deepcopy(plan.plan_config(config))
-    c["num_layers"], c["eva_args"]["num_layers"] = layers["language"], layers["eva"]
-    if "encoder_args" in c:
-        c["encoder_args"]["layers"] = layers["encoder"]
-    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
-                       train=train)
-    return plan._activations(c, setup, eva_trains=True)
-
-
 HEADER_MB = f"{'measured MB':>12}{'plan MB':>10}{'ratio':>8}"
-ONE_EACH = {"language": 1, "eva": 1, "encoder": 1}
 TERM = {"language": "activations (language)", "eva": "activations (EVA)", "encoder": "activations (cross branch)"}
 
 
 def full_size_tables() -> bool:
     from sat_patches.cogvlm.shapes import upstream_config
     from sat_patches.finetune import DEMO_TRAINABLE
-    from sat_patches.testing.layer_bytes import layer_bytes, step_peak
+    from sat_patches.testing.layer_bytes import layer_bytes, planned_activations, step_peak
     from sat_patches.tools import plan
     ok = True
     print(f"\n{'full-size layer (model, kind, train, MP, checkpointing)':<60}{HEADER_MB}")
@@ -83,8 +70,8 @@ def full_size_tables() -> bool:
                 for mp in (1, 2, 4):
                     for checkpoint in (False, True):
                         measured = layer_bytes(config, layer, mp, checkpoint=checkpoint, trains=trains)
-                        three, two = (_planned(config, mp, checkpoint, dict(ONE_EACH, **{layer: n}), train)[TERM[layer]]
-                                      for n in (3, 2))
+                        three, two = (planned_activations(config, mp, layers={layer: n}, checkpoint=checkpoint,
+                                                          train=train)[TERM[layer]] for n in (3, 2))
                         planned = three - two
                         ok &= abs(planned / measured - 1) <= 0.15
                         label = f"{name}, {layer}, {train}, {mp}, {'on' if checkpoint else 'off'}"
@@ -98,7 +85,7 @@ def full_size_tables() -> bool:
         for train in ("lora", "demo"):
             trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
             measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
-            planned = sum(_planned(config, 1, True, layers, train).values())
+            planned = sum(planned_activations(config, 1, layers=layers, checkpoint=True, train=train).values())
             ok &= measured <= planned <= 1.3 * measured
             print(f"{name + ', ' + train:<60}{measured / 1e9:>12.3f}{planned / 1e9:>10.3f}{planned / measured:>8.3f}")
     return ok

@@ -130,3 +130,17 @@ def layer_bytes(config: dict, kind: str, mp: int = 1, **options) -> int:
     encoder output) in a buffer of its own, once."""
     three, two = (step_peak(config, mp, layers={kind: n}, **options) for n in (3, 2))
     return three - two
+
+
+def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = None,
+                        checkpoint: bool = False, train: str = "lora") -> Dict[str, float]:
+    """The plan's activation terms (``sat-patches plan``, micro-batch 1, the demo's max_length) for the model
+    :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's ``--train``."""
+    import copy
+    from ..tools import plan
+    counts = {kind: 1 for kind in KINDS}
+    counts.update(layers or {})
+    c = _with_layers(copy.deepcopy(plan.plan_config(config)), counts)
+    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
+                       train=train)
+    return plan._activations(c, setup, eva_trains=True)

@@ -2,13 +2,11 @@
 (``sat_patches.testing.live_bytes``): the counter itself, the LM head with its loss, one layer of each kind
 of the real CogVLM / CogAgent (``sat_patches.testing.layer_bytes``) with and without activation
 checkpointing at model-parallel sizes 1 and 2 (``test_plan_whole_step.py``: a whole training step)."""
-import copy
-
 import pytest
 import torch
 
 from sat_patches.cogvlm.shapes import upstream_config
-from sat_patches.testing.layer_bytes import layer_bytes
+from sat_patches.testing.layer_bytes import layer_bytes, planned_activations
 from sat_patches.testing.live_bytes import LiveBytes, head_and_loss_peak
 from sat_patches.tools import plan
 
@@ -67,18 +65,6 @@ def test_the_layer_term_is_the_measured_layer(layers_measured, shape):
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
 
 
-def _planned_activations(config: dict, mp: int, checkpoint: bool, layers: dict, train: str = "lora") -> dict:
-    """The plan's activation terms for ``config`` with ``layers`` of each kind (micro-batch 1)."""
-    c = copy.deepcopy(plan.plan_config(config))
-    c["num_layers"] = layers.get("language", 1)
-    c["eva_args"]["num_layers"] = layers.get("eva", 1)
-    if "encoder_args" in c:
-        c["encoder_args"]["layers"] = layers.get("encoder", 1)
-    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
-                       train=train)
-    return plan._activations(c, setup, eva_trains=True)
-
-
 TERM = {"language": "activations (language)", "eva": "activations (EVA)", "encoder": "activations (cross branch)"}
 LAYER_TERMS = [(name, kind, train) for name in ("cogvlm-base-490", "cogagent-chat") for kind in ("language", "eva")
                for train in ("lora", "demo") if train == "lora" or name == "cogagent-chat"] \
@@ -97,7 +83,8 @@ def test_a_layer_term_is_the_measured_layer_at_full_size(name, kind, train, mp, 
     config = upstream_config(name)
     trains = DEMO_TRAINABLE["cogagent"] if train == "demo" else (lambda n: False)
     measured = layer_bytes(config, kind, mp, checkpoint=checkpoint, trains=trains)
-    three, two = (_planned_activations(config, mp, checkpoint, {kind: n}, train)[TERM[kind]] for n in (3, 2))
+    three, two = (planned_activations(config, mp, layers={kind: n}, checkpoint=checkpoint, train=train)[TERM[kind]]
+                  for n in (3, 2))
     assert abs((three - two) / measured - 1) < 0.15, (three - two, measured)
 
 

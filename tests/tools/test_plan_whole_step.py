@@ -5,10 +5,8 @@ import pytest
 
 from sat_patches.cogvlm.shapes import upstream_config
 from sat_patches.finetune import DEMO_TRAINABLE
-from sat_patches.testing.layer_bytes import step_peak
+from sat_patches.testing.layer_bytes import planned_activations, step_peak
 from sat_patches.tools import plan
-
-from test_plan_calibration import _planned_activations
 
 pytestmark = pytest.mark.slow
 
@@ -24,5 +22,5 @@ def test_the_plans_activations_cover_a_whole_step_by_at_most_30_percent(name, ki
               "encoder": c.get("encoder_args", {}).get("layers", 1)}
     trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
     measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
-    planned = sum(_planned_activations(config, 1, True, layers, train).values())
+    planned = sum(planned_activations(config, 1, layers=layers, checkpoint=True, train=train).values())
     assert measured <= planned <= 1.3 * measured, (planned, measured)
