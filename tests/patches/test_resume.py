@@ -112,12 +112,12 @@ def train_stop_resume(root):
 
 
 
-def train_stop_resume_data_parallel(root):
-    """MP=1 on 2 ranks: 2 data-parallel ranks, each with its own ZeRO-2 optimizer shard and its own
-    share of every batch (SAT's DistributedBatchSampler)."""
+def train_stop_resume_data_parallel(root, mp):
+    """MP=``mp`` on 2 x ``mp`` ranks: 2 data-parallel groups, each rank with its own ZeRO-2 optimizer shard and each
+    group with its own share of every batch (SAT's DistributedBatchSampler)."""
     from sat_patches.testing import tiny_lora
-    args = [a if a != "2" or i != 1 else "1" for i, a in enumerate(BASE)] + ["--zero-stage", "2", "--bf16"]
-    assert args[:2] == ["--model-parallel-size", "1"]
+    args = [a if a != "2" or i != 1 else str(mp) for i, a in enumerate(BASE)] + ["--zero-stage", "2", "--bf16"]
+    assert args[:2] == ["--model-parallel-size", str(mp)]
 
     def losses(tag, extra):
         tiny_lora._LOSSES.clear()
@@ -141,15 +141,20 @@ def train_stop_resume_data_parallel(root):
 
 
 @pytest.mark.slow
-def test_resume_at_data_parallel_2_continues_exactly(tmp_path):
-    results = run_ranks(train_stop_resume_data_parallel, 2, args=(str(tmp_path),), timeout=300,
+@pytest.mark.parametrize("mp", [1, 2], ids=["mp1-dp2", "mp2-dp2"])
+def test_resume_at_data_parallel_2_continues_exactly(tmp_path, mp):
+    results = run_ranks(train_stop_resume_data_parallel, 2 * mp, args=(str(tmp_path), mp), timeout=400,
                         env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
     for r in results:
         assert r.result is not None, (r.exception or "") + r.output[-4000:]
     ranks = [r.result for r in results]
-    assert ranks[0]["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                 "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]
-    assert ranks[0]["full"] != ranks[1]["full"]  # each rank trains on its own share of the batches
+    assert ranks[0]["files"] == sorted([f"bf16_zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
+                                        for d in range(2) for m in range(mp)]
+                                       + [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)])
+    # SAT's groups: model-parallel ranks are consecutive; each data-parallel group trains on its own batches
+    groups = [ranks[g * mp:(g + 1) * mp] for g in range(2)]
+    assert all(rank["full"] == group[0]["full"] for group in groups for rank in group)
+    assert groups[0][0]["full"] != groups[1][0]["full"]
     for rank in ranks:
         assert _gap(rank["resumed"], rank["full"]) < 1e-6, (rank["resumed"], rank["full"])
         assert _gap(rank["stock"], rank["full"]) > 1e-3, (rank["stock"], rank["full"])  # SAT's own resume
