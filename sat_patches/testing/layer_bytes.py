@@ -23,7 +23,10 @@ KINDS = ("language", "eva", "encoder")
 tower's, CogAgent's EVA2-CLIP-L cross encoder's."""
 
 
-def _with_layers(config: dict, counts: Dict[str, int]) -> dict:
+def _with_layers(config: dict, layers: Optional[Dict[str, int]]) -> dict:
+    """``config`` (as the plan reads it) with ``layers`` of each kind, one of a kind not named."""
+    counts = {kind: 1 for kind in KINDS}
+    counts.update(layers or {})
     config = dict(config, num_layers=counts["language"])
     config["eva_args"] = dict(config["eva_args"], num_layers=counts["eva"])
     if config.get("cross_image_pix"):
@@ -92,15 +95,13 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     from .full_size import build_on_meta, collectives_as_shapes, model_parallel_as
     from .live_bytes import LiveBytes
     from .meta_values import MetaValues
-    counts = {kind: 1 for kind in KINDS}
-    counts.update(layers or {})
-    config = _with_layers(plan_config(config), counts)
+    config = _with_layers(plan_config(config), layers)
     tokens = tokens or default_seq_len(config)
     with devices.use_device("meta"), model_parallel_as(mp), collectives_as_shapes(mp), fused_attention():
         model = build_on_meta(config, mp)
-        model.add_mixin("lora", LoraMixin(counts["language"], lora_rank), reinit=True)
+        model.add_mixin("lora", LoraMixin(config["num_layers"], lora_rank), reinit=True)
         eva = model.get_mixin("eva").vit_model
-        eva.add_mixin("lora", LoraMixin(counts["eva"], lora_rank), reinit=True)
+        eva.add_mixin("lora", LoraMixin(config["eva_args"]["num_layers"], lora_rank), reinit=True)
         for name, p in model.named_parameters():
             p.requires_grad_("matrix_" in name or trains(name))
             if p.requires_grad:  # gradients are the plan's own term (and ZeRO moves them into its buckets)
@@ -134,13 +135,13 @@ def layer_bytes(config: dict, kind: str, mp: int = 1, **options) -> int:
 
 def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = None,
                         checkpoint: bool = False, train: str = "lora") -> Dict[str, float]:
-    """The plan's activation terms (``sat-patches plan``, micro-batch 1, the demo's max_length) for the model
-    :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's ``--train``."""
+    """The plan's activation terms (``sat-patches plan``: micro-batch 1, the demo's max_length, LoRA rank 10)
+    for the model :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's
+    ``--train``."""
     import copy
     from ..tools import plan
-    counts = {kind: 1 for kind in KINDS}
-    counts.update(layers or {})
-    c = _with_layers(copy.deepcopy(plan.plan_config(config)), counts)
+    c = _with_layers(copy.deepcopy(plan.plan_config(config)), layers)
     setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
                        train=train)
-    return plan._activations(c, setup, eva_trains=True)
+    return {term: value for term, value in plan.estimate(c, setup).device.items()
+            if term.startswith(("activations", "logits"))}
