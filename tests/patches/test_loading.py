@@ -316,8 +316,8 @@ def test_zero_copy_off_copies_every_tensor(tiny_checkpoint, monkeypatch):
         _from_pretrained(path, cfg)
 
 
-def _source(tmp_path, shards):
-    """A ShardedSource over ``shards`` (one ``module`` state dict per model-parallel shard), for rank 0 of 1."""
+def _checkpoint(tmp_path, shards):
+    """The Checkpoint of ``shards`` (one ``module`` state dict per model-parallel shard) saved in ``tmp_path``."""
     files = []
     for i, state in enumerate(shards):
         files.append(str(tmp_path / f"mp_rank_{i:02d}_model_states.pt"))
@@ -330,7 +330,7 @@ def test_lent_tensors_never_alias_and_keep_their_writes(tmp_path):
     page with it) and a second key of its own storage (tied in the file, not in the model) are copied
     and their pages released; that second key gets memory of its own."""
     tied = torch.randn(3 * mmap.PAGESIZE // 4)  # three pages of float32: whole pages inside it
-    ckpt = _source(tmp_path, [{"a": tied, "b": torch.randn(4 * mmap.PAGESIZE), "c": tied}])
+    ckpt = _checkpoint(tmp_path, [{"a": tied, "b": torch.randn(4 * mmap.PAGESIZE), "c": tied}])
     source, cpu = ShardedSource(ckpt), torch.device("cpu")
     a = source.materialised("a", torch.empty_like(tied), None, cpu)
     assert in_file(a, ckpt.files[0])
@@ -350,7 +350,7 @@ def test_own_shard_whole_is_lent_and_a_slice_is_copied(tmp_path):
     """At the checkpoint's own model-parallel size a rank's slice is its shard, whole: lent (a fused QKV
     too); at another size it is assembled from slices into new memory."""
     full = torch.arange(48 * 8, dtype=torch.float32).reshape(48, 8)
-    ckpt = _source(tmp_path, [{"w": shard} for shard in _sat_partition("column", full, 2, 3)])
+    ckpt = _checkpoint(tmp_path, [{"w": shard} for shard in _sat_partition("column", full, 2, 3)])
     split, cpu = SPLITS["column"](3), torch.device("cpu")
     own = ShardedSource(ckpt, "", 1, 2)
     lent = own.materialised("w", torch.empty(24, 8), split, cpu)
