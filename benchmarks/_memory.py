@@ -10,3 +10,13 @@ def proc_status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def proc_pss_bytes() -> int:
+    """Proportional set size of this process (``/proc/self/smaps_rollup``): each resident page divided
+    by the number of processes mapping it, so the ranks of a node sharing a file's pages count it once."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError("Pss")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import mmap
 import os
 from typing import Callable, List, Optional
 
@@ -94,12 +95,23 @@ def check(path: str) -> None:
 
 def load(path: str, map_location="cpu", mmap: bool = False):
     """``torch.load`` of a checkpoint file with ``weights_only=True`` and the SAT/DeepSpeed
-    allow-list (``mmap``: tensors are read when used); in full only when :func:`trusted`."""
+    allow-list (``mmap``: tensors are read when used, from a private mapping); in full only when
+    :func:`trusted`."""
     check(path)
-    if trusted():
-        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
-    with torch.serialization.safe_globals(allowed_globals()):
-        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    with _privately_mapped(mmap):
+        if trusted():
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+
+
+def _privately_mapped(mapped: bool):
+    """``torch.load(mmap=True)`` maps ``MAP_PRIVATE`` inside the block, whatever default the program set
+    (``torch.serialization.set_default_mmap_options``): parameters may be the mapped tensors, and a
+    write to them (training) must never reach the checkpoint file."""
+    if not mapped or not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no such option, torch maps privately
+        return contextlib.nullcontext()
+    return torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,9 @@
   model's dtype on the way, straight into the parameter on its device; the pages of the mapped file
   a chunk touched are released after it (``madvise(MADV_DONTNEED)``), so a rank's peak is its own
   share of the model plus one chunk.
+* Where the compute device is the CPU, a tensor the rank uses whole, in the model's dtype, is not
+  copied at all: the parameter is the mapped file's tensor (:meth:`ShardedSource.materialised`;
+  ``SAT_PATCHES_LOAD_ZERO_COPY=0`` copies every tensor).
 * Any model-parallel size loads from any other: every rank reads only its own slice of each split
   tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B by
   :func:`lora_factor_split`, the rule :mod:`sat_patches.patches.lora` builds its layers by) from the
@@ -28,6 +31,14 @@ from .files import Checkpoint, CheckpointError
 CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LOAD_CHUNK_MB", "64")) * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
 MERGE_COMMAND = "python -m sat_patches.merge"
+ZERO_COPY = "SAT_PATCHES_LOAD_ZERO_COPY"
+
+
+def zero_copy() -> bool:
+    """Whether CPU tensors may be lent from the mapped checkpoint instead of copied (``SAT_PATCHES_LOAD_ZERO_COPY``:
+    unset or 1, yes; 0, every tensor is copied into new memory)."""
+    from ..core.settings import env_switch
+    return env_switch(ZERO_COPY, True, what="CPU parameters are the mapped checkpoint's pages")
 
 
 # --------------------------------------------------------------------------------------
@@ -144,20 +155,28 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 _MADV_DONTNEED = 4
 
 
-def release_pages(view: torch.Tensor) -> None:
-    """Drop the pages of a memory-mapped checkpoint that ``view`` spans from this process's RSS (they
-    are clean file pages: touched again, they are read again). Only for tensors of a mapped file."""
-    if _libc is None or view.numel() == 0:
-        return
+def _inner_pages(view: torch.Tensor) -> Tuple[int, int]:
+    """(start, end) addresses of the pages that lie wholly inside the bytes ``view`` spans."""
     extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
     start, end = view.data_ptr(), view.data_ptr() + extent * view.element_size()
     page = mmap.PAGESIZE
-    start, end = start // page * page, -(-end // page) * page
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    return -(-start // page) * page, end // page * page
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, mapped: bool) -> None:
-    """``dst.copy_(src)`` in chunks along dim 0, releasing each chunk's mapped pages."""
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the pages of a memory-mapped checkpoint that lie wholly inside ``view``'s bytes from this
+    process's RSS (they are clean file pages: touched again, they are read again). A page shared with
+    a neighbouring tensor stays: that tensor may be a parameter now (:meth:`ShardedSource.materialised`).
+    Only for tensors of a mapped file."""
+    if _libc is None or view.numel() == 0:
+        return
+    start, end = _inner_pages(view)
+    if end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, release: Callable[[torch.Tensor], None]) -> None:
+    """``dst.copy_(src)`` in chunks along dim 0, ``release`` of each chunk after it is copied."""
     if src.dim() == 0 or src.numel() == 0:
         dst.copy_(src)
         return
@@ -166,8 +185,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, mapped: bool) -> None:
     for i in range(0, src.shape[0], step):
         chunk = src[i:i + step]
         dst[i:i + step].copy_(chunk)
-        if mapped:
-            release_pages(chunk)
+        release(chunk)
 
 
 class ShardedSource:
@@ -184,6 +202,8 @@ class ShardedSource:
         self.used: set = set()
         self.mapped_storages = {t.untyped_storage().data_ptr() for sd in self.state for t in sd.values()
                                 if isinstance(t, torch.Tensor)}
+        self.lending = zero_copy()
+        self.lent: set = set()  # mapped storages a tensor of the model now is: their pages are never released
 
     @property
     def own(self) -> dict:
@@ -201,7 +221,7 @@ class ShardedSource:
         self.used.add(key)
         n_src = self.ckpt.mp_size
         srcs = [sd[key] for sd in self.state]
-        if split is None:
+        if split is None or n_src == self.size:  # replicated, or this rank's own shard: a saved tensor, whole
             src = srcs[self.rank if n_src == self.size else 0]
             self._check(key, src.shape == like.shape, src, like, split)
             return [((), src)]
@@ -227,9 +247,51 @@ class ShardedSource:
                               f"at MP={self.size}: model_config.json and the checkpoint disagree")
 
     def copy_into(self, key: str, dst: torch.Tensor, split) -> None:
+        """Copy this rank's slice of ``key`` into ``dst`` (converted to its dtype), a chunk at a time."""
+        self._fill(dst, self.pieces(key, dst, split))
+
+    def _fill(self, dst: torch.Tensor, parts) -> None:
+        """Copy :meth:`pieces` ``parts`` into ``dst``, releasing the mapped pages of each chunk copied."""
         with torch.no_grad():
-            for index, src in self.pieces(key, dst, split):
-                _copy(dst[index], src, mapped=True)
+            for index, src in parts:
+                _copy(dst[index], src, self.release)
+
+    def release(self, view: torch.Tensor) -> None:
+        """:func:`release_pages` of a mapped ``view`` whose storage is not lent to the model."""
+        if view.untyped_storage().data_ptr() not in self.lent:
+            release_pages(view)
+
+    def materialised(self, key: str, like: torch.Tensor, split, device: torch.device,
+                     lend: bool = True) -> torch.Tensor:
+        """This rank's slice of ``key`` as a tensor of ``like``'s shape and dtype on ``device``: lent
+        where it can be (:meth:`_lendable`), else new memory filled a chunk at a time.
+
+        A lent tensor IS the mapped file's: nothing is read or allocated now (its pages fault in from
+        the page cache when first used), and ranks on one node share those pages. ``torch.load(mmap=True)``
+        maps the file ``MAP_PRIVATE`` (:func:`sat_patches.checkpoints.safe_load.load`): a write (training)
+        makes private copy-on-write pages, the file never changes. A file replaced by rename (as
+        sat_patches' saves publish) stays valid while mapped; one truncated in place under a live
+        mapping would make the parameters fault (SIGBUS) when touched, one rewritten in place would
+        change the values of pages not yet written."""
+        parts = self.pieces(key, like, split)
+        if lend and self._lendable(parts, like, device):
+            src = parts[0][1]
+            self.lent.add(src.untyped_storage().data_ptr())
+            return src.detach()
+        out = torch.empty(like.shape, dtype=like.dtype, device=device)
+        self._fill(out, parts)
+        return out
+
+    def _lendable(self, parts, like: torch.Tensor, device: torch.device) -> bool:
+        """Can the model's tensor be the mapped one: zero copy is on (:func:`zero_copy`), the device is
+        the CPU, the slice is one whole saved tensor of ``like``'s dtype, contiguous, in a storage not
+        lent yet (two parameters must not alias)."""
+        if not (self.lending and device.type == "cpu" and len(parts) == 1 and parts[0][0] == ()):
+            return False
+        src = parts[0][1]
+        storage = src.untyped_storage().data_ptr()
+        return (src.dtype == like.dtype and src.is_contiguous() and storage in self.mapped_storages
+                and storage not in self.lent)
 
     def assembled(self, key: str, like: torch.Tensor, split) -> torch.Tensor:
         """This rank's slice as one CPU tensor (a view of the mapped file when it is one piece)."""

@@ -1,6 +1,7 @@
 """Loading a checkpoint's state into a model: in place, or by assignment where the model is still on
 meta, each rank reading only its own slices of the memory-mapped shards
-(:class:`~sat_patches.checkpoints.sharding.ShardedSource`); and the random states a checkpoint saved.
+(:class:`~sat_patches.checkpoints.sharding.ShardedSource`; on the CPU a tensor assigned whole is the
+mapped file's own, not a copy); and the random states a checkpoint saved.
 
 Used by :mod:`sat_patches.patches.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
 :mod:`sat_patches.patches.resume` and by ``python -m sat_patches.merge``.
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from ..core.coordination import stage
 from ..core.registry import SatPatchesWarning
 from .files import Checkpoint, CheckpointError
-from .sharding import ShardedSource, release_pages, split_of
+from .sharding import ShardedSource, split_of
 
 
 def materialise_device() -> torch.device:
@@ -71,7 +72,7 @@ class _LazyState(Mapping):
 
     def release(self):
         for t in self.views:
-            release_pages(t)
+            self.source.release(t)
         self.views.clear()
 
 
@@ -91,11 +92,13 @@ def _resolve(model: torch.nn.Module, key: str):
     return tensor, split_of(model, key, owner, name)
 
 
-def load_state(model: torch.nn.Module, source: ShardedSource, after=None) -> Tuple[List[str], List[str]]:
+def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
+               lend: bool = True) -> Tuple[List[str], List[str]]:
     """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
-    where a tensor is still on meta (attributes such as ``model_parallel`` are kept). ``after(module,
-    prefix)``, when given, runs as each module is complete (its children loaded). Returns
-    (missing_keys, unexpected_keys)."""
+    where a tensor is still on meta (attributes such as ``model_parallel`` are kept), the assigned
+    tensor lent from the mapped file where it can be (:meth:`ShardedSource.materialised`; ``lend``
+    False copies every one). ``after(module, prefix)``, when given, runs as each module is complete
+    (its children loaded). Returns (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
     # id(meta tensor) -> (it, its replacement): shared (tied) tensors are loaded once. The replacement
     # by weak reference: a layer converted as it is loaded (QLoRA's NF4) frees its float weights at once
@@ -116,8 +119,7 @@ def load_state(model: torch.nn.Module, source: ShardedSource, after=None) -> Tup
                 new = loaded
                 source.used.add(key)
             elif t.is_meta:
-                new = torch.empty(t.shape, dtype=t.dtype, device=target)
-                source.copy_into(key, new, split_of(model, key, module, name))
+                new = source.materialised(key, t, split_of(model, key, module, name), target, lend)
                 if is_param:
                     new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                     new.__dict__.update(t.__dict__)

@@ -1,5 +1,6 @@
-"""The ``SAT_PATCHES_*`` environment settings that are numbers of seconds, read by one parser: a value
-that is not a number, not finite or out of range stops the run with a message that says what to set."""
+"""The ``SAT_PATCHES_*`` environment settings that are numbers of seconds or on/off switches, each kind
+read by one parser: a value it does not take (not a number, not finite, out of range; a switch other
+than 0 or 1) stops the run with a message that says what to set."""
 from __future__ import annotations
 
 import math
@@ -25,3 +26,15 @@ def env_seconds(var: str, default: Optional[float] = None, zero_turns_off: bool 
         raise ValueError(f"{var}={raw!r}: set it to a positive number of seconds{what}, e.g. {var}={example}"
                          + (" (0 turns it off)" if zero_turns_off else " (or unset it for the default)"))
     return value
+
+
+def env_switch(var: str, default: bool, what: str = "", environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``var`` as a switch (from ``environ``, default ``os.environ``): ``1`` on, ``0`` off, ``default`` when
+    unset or empty; ``what`` says what it turns on, for the message."""
+    raw = (os.environ if environ is None else environ).get(var, "").strip()
+    if not raw:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{var}={raw!r}: set it to 1 ({what or 'on'}) or 0 (off), or unset it for the default "
+                         f"({int(default)})")
+    return raw == "1"

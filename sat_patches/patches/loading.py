@@ -85,7 +85,9 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
                 f"(from_pretrained('{manifest['base']['path']}'), then add LoRA as the run did), then this")
         adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
-        missing, unexpected = load_state(module, source, after=nf4_as_loaded(module, args))
+        convert = nf4_as_loaded(module, args)
+        # layers converted as they load (QLoRA's NF4) are copied: lent, their pages would stay mapped after it
+        missing, unexpected = load_state(module, source, after=convert, lend=convert is None)
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
         missing = [k for k in missing if adapter.is_adapter(k)]
     else:

@@ -1,6 +1,9 @@
 """Checkpoint files: clear errors for bad input before anything is built, and rank-local slices of
 split tensors between any two model-parallel sizes (SAT's own ``partition()`` is the reference)."""
+import hashlib
 import json
+import mmap
+import os
 import types
 
 import pytest
@@ -10,6 +13,7 @@ from sat_patches.patches import loading
 from sat_patches.patches.loading import Checkpoint, CheckpointError, ShardedSource
 from sat_patches.checkpoints.sharding import Split, release_pages
 from sat_patches.checkpoints.state import load_state, meta_tensors
+from sat_patches.testing.mappings import in_file, smaps_bytes
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
@@ -235,3 +239,121 @@ def test_shared_experiment_start_is_a_patch_that_unpatch_restores():
     finally:
         sat_patches.apply()
     assert isinstance(training.datetime, SharedStartClock)
+
+
+# -- zero copy on the CPU ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny CogVLM-like SAT checkpoint (fp32, as the model it loads into): (directory, config, shard file)."""
+    from sat_patches.testing import expert_llama as el
+    path = str(tmp_path_factory.mktemp("zero_copy") / "ckpt")
+    cfg = el.config()
+    model = el.model_class()(el.build_args(cfg))
+    el.fill_(model)
+    el.write_checkpoint(model, cfg, path)
+    return path, cfg, os.path.join(path, "1", "mp_rank_00_model_states.pt")
+
+
+def _from_pretrained(path, cfg):
+    from sat_patches.testing import expert_llama as el
+    model, _ = el.model_class().from_pretrained(path, el.build_args(cfg))
+    return model
+
+
+def _digest(file):
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("default_mapping", ["MAP_PRIVATE", "MAP_SHARED"])
+def test_cpu_parameters_are_the_mapped_file_and_training_never_writes_it(tiny_checkpoint, default_mapping):
+    """On a CPU rank every parameter is the mapped checkpoint's own memory (no copy); a training step
+    writes private copy-on-write pages: the file is unchanged, also when the program set torch's
+    default mapping to MAP_SHARED."""
+    path, cfg, shard = tiny_checkpoint
+    before, saved = _digest(shard), torch.load(shard)["module"]
+    with torch.serialization.set_default_mmap_options(getattr(mmap, default_mapping)):
+        model = _from_pretrained(path, cfg)
+    params = dict(model.named_parameters())
+    assert [n for n, p in params.items() if not in_file(p, shard)] == []
+    assert all(torch.equal(p.detach(), saved[n]) for n, p in params.items())
+    optimizer = torch.optim.SGD(params.values(), lr=0.1)
+    sum(p.square().sum() for p in params.values()).backward()  # gradient 2p: every weight moves
+    optimizer.step()
+    assert [n for n, p in params.items() if torch.equal(p.detach(), saved[n])] == []
+    assert _digest(shard) == before
+
+
+def test_two_loads_of_one_file_share_its_pages(tiny_checkpoint):
+    """Two models loaded from one file (two ranks of a node) hold the weights once: each page of the
+    file is mapped by both (its proportional share, Pss, is half its resident size), none is copied."""
+    path, cfg, shard = tiny_checkpoint
+    models = [_from_pretrained(path, cfg) for _ in range(2)]
+    for model in models:
+        for p in model.parameters():
+            p.detach().reshape(-1).view(torch.uint8).max()  # the first read faults the pages in
+    weights = sum(p.numel() * p.element_size() for p in models[0].parameters())
+    theirs = [p for model in models for p in model.parameters()]  # not other tests' mappings of the file
+    rss, pss = smaps_bytes(shard, "Rss", theirs), smaps_bytes(shard, "Pss", theirs)
+    assert rss >= 2 * weights and pss <= 0.55 * rss, (weights, rss, pss)
+    assert smaps_bytes(shard, "Anonymous", theirs) == 0
+    first, second = (dict(m.named_parameters()) for m in models)
+    assert all(torch.equal(first[n], second[n]) and first[n].data_ptr() != second[n].data_ptr() for n in first)
+
+
+def test_zero_copy_off_copies_every_tensor(tiny_checkpoint, monkeypatch):
+    """``SAT_PATCHES_LOAD_ZERO_COPY=0``: every tensor is copied into new memory (the loader before zero
+    copy); a value other than 0 or 1 stops the load, saying what to set."""
+    path, cfg, shard = tiny_checkpoint
+    saved = torch.load(shard)["module"]
+    monkeypatch.setenv("SAT_PATCHES_LOAD_ZERO_COPY", "0")
+    params = dict(_from_pretrained(path, cfg).named_parameters())
+    assert [n for n, p in params.items() if in_file(p, shard)] == []
+    assert all(torch.equal(p.detach(), saved[n]) for n, p in params.items())
+    monkeypatch.setenv("SAT_PATCHES_LOAD_ZERO_COPY", "yes")
+    with pytest.raises(ValueError, match=r"SAT_PATCHES_LOAD_ZERO_COPY='yes': set it to 1 \(.*\) or 0 \(off\)"):
+        _from_pretrained(path, cfg)
+
+
+def _checkpoint(tmp_path, shards):
+    """The Checkpoint of ``shards`` (one ``module`` state dict per model-parallel shard) saved in ``tmp_path``."""
+    files = []
+    for i, state in enumerate(shards):
+        files.append(str(tmp_path / f"mp_rank_{i:02d}_model_states.pt"))
+        torch.save({"module": state}, files[-1])
+    return Checkpoint(str(tmp_path), 1, False, files)
+
+
+def test_lent_tensors_never_alias_and_keep_their_writes(tmp_path):
+    """A tensor lent from the mapped file keeps what is written to it while its neighbour (sharing a
+    page with it) and a second key of its own storage (tied in the file, not in the model) are copied
+    and their pages released; that second key gets memory of its own."""
+    tied = torch.randn(3 * mmap.PAGESIZE // 4)  # three pages of float32: whole pages inside it
+    ckpt = _checkpoint(tmp_path, [{"a": tied, "b": torch.randn(4 * mmap.PAGESIZE), "c": tied}])
+    source, cpu = ShardedSource(ckpt), torch.device("cpu")
+    a = source.materialised("a", torch.empty_like(tied), None, cpu)
+    assert in_file(a, ckpt.files[0])
+    b_mapped = source.state[0]["b"]
+    assert (a.data_ptr() + a.nbytes - 1) // mmap.PAGESIZE == b_mapped.data_ptr() // mmap.PAGESIZE  # one page
+    a.fill_(7.0)  # as training would
+    b = source.materialised("b", torch.empty_like(b_mapped, dtype=torch.float64), None, cpu)  # converted: copied
+    c = source.materialised("c", torch.empty_like(tied), None, cpu)
+    assert not in_file(b, ckpt.files[0]) and not in_file(c, ckpt.files[0])
+    assert torch.equal(a, torch.full_like(tied, 7.0)) and torch.equal(c, a)
+    assert torch.equal(b, b_mapped.double())
+    c.fill_(5.0)
+    assert torch.equal(a, torch.full_like(tied, 7.0))
+
+
+def test_own_shard_whole_is_lent_and_a_slice_is_copied(tmp_path):
+    """At the checkpoint's own model-parallel size a rank's slice is its shard, whole: lent (a fused QKV
+    too); at another size it is assembled from slices into new memory."""
+    full = torch.arange(48 * 8, dtype=torch.float32).reshape(48, 8)
+    ckpt = _checkpoint(tmp_path, [{"w": shard} for shard in _sat_partition("column", full, 2, 3)])
+    split, cpu = SPLITS["column"](3), torch.device("cpu")
+    own = ShardedSource(ckpt, "", 1, 2)
+    lent = own.materialised("w", torch.empty(24, 8), split, cpu)
+    assert lent.data_ptr() == own.state[1]["w"].data_ptr()
+    merged = ShardedSource(ckpt, "", 0, 1).materialised("w", torch.empty(48, 8), split, cpu)
+    assert torch.equal(merged, full) and not any(in_file(merged, f) for f in ckpt.files)

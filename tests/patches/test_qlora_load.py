@@ -4,11 +4,14 @@ Upstream CogVLM's QLoRA sequence: ``args.device = 'cpu'``, ``from_pretrained``, 
 ``add_mixin("lora", LoraMixin(..., qlora=True), reinit=True)``. Here the transformer's linears are NF4
 as soon as their layer is loaded, the mixin wraps them as they are, and the model trains.
 """
+import os
+
 import pytest
 import torch
 
 from sat_patches.patches import lora
 from sat_patches.testing import expert_llama as el
+from sat_patches.testing.mappings import in_file
 
 CFG = dict(num_layers=6, hidden_size=128, num_attention_heads=4, inner_hidden_size=256, num_vision_layers=0)
 
@@ -68,6 +71,18 @@ def test_linears_are_nf4_as_loaded_and_the_peak_is_nf4_plus_one_layer(checkpoint
     assert peak / float_bytes <= 0.5, peak / float_bytes
     _, stock_peak = load(path, cfg, False, monkeypatch)  # the same load without QLoRA holds the float model
     assert stock_peak >= 0.95 * float_bytes
+
+
+def test_a_qlora_load_copies_what_it_loads(checkpoint):
+    """A load that converts layers as they arrive copies instead of lending the mapped file's tensors
+    (lent, the float layers' pages would stay mapped after conversion): no tensor of the model is the file's."""
+    path, cfg, _ = checkpoint
+    args = el.build_args(cfg)
+    args.use_qlora, args.device = True, "cpu"
+    model, _ = el.model_class().from_pretrained(path, args)
+    shard = os.path.join(path, "1", "mp_rank_00_model_states.pt")
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert tensors and [t.shape for t in tensors if in_file(t, shard)] == []
 
 
 def test_lora_wraps_the_nf4_bases_as_they_are_and_the_model_trains(checkpoint, monkeypatch):
