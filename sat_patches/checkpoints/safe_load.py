@@ -111,7 +111,24 @@ def _privately_mapped(mapped: bool):
     write to them (training) must never reach the checkpoint file."""
     if not mapped or not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no such option, torch maps privately
         return contextlib.nullcontext()
-    return torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
+    setter = getattr(torch.serialization, "set_default_mmap_options", None)
+    if setter is None:  # torch 2.1: always private
+        return contextlib.nullcontext()
+    if isinstance(setter, type):  # torch >= 2.5: a context manager
+        return setter(mmap.MAP_PRIVATE)
+    current = getattr(torch.serialization, "get_default_mmap_options", None)
+    previous = current() if current else getattr(torch.serialization, "_default_mmap_options", mmap.MAP_PRIVATE)
+    return _set_for_the_block(setter, previous)
+
+
+@contextlib.contextmanager
+def _set_for_the_block(setter, previous):
+    """torch 2.2-2.4's plain ``set_default_mmap_options``: private inside the block, ``previous`` after."""
+    setter(mmap.MAP_PRIVATE)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 @contextlib.contextmanager
