@@ -35,17 +35,20 @@ def train_and_inspect(argv):
 
 
 @pytest.mark.multirank
-def test_use_qlora_trains_adapters_on_an_nf4_base(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "data-parallel-2"])
+def test_use_qlora_trains_adapters_on_an_nf4_base(tmp_path, ranks):
+    """QLoRA at MP=1, on one rank and on two data-parallel ranks (each its own NF4 base, ZeRO over the adapters)."""
     from sat_patches.cogvlm import prepare_tiny_run
     run = prepare_tiny_run(str(tmp_path / "run"), "cogvlm", n_train=8, n_valid=2)
-    env = finetune_run.settings({"MODEL_KIND": "cogvlm", "CPU_RANKS": "1", "MP_SIZE": "1", "TRAIN_ITERS": "3",
+    env = finetune_run.settings({"MODEL_KIND": "cogvlm", "CPU_RANKS": str(ranks), "MP_SIZE": "1", "TRAIN_ITERS": "3",
                                  "LOG_INTERVAL": "1", "CUDA_VISIBLE_DEVICES": ""})
     options = finetune_run.train_options(env, model=run.model_dir, tokenizer=run.tokenizer_dir, train=run.train_dir,
                                          valid=run.valid_dir, save=str(tmp_path / "checkpoints"),
                                          ds_config=finetune_run.config_path("cpu_demo.json"))
     argv = ["--kind", "cogvlm", *[o for o in options if o != "--use_lora"], "--use_qlora"]
-    [r] = run_ranks(train_and_inspect, 1, args=(argv,), timeout=300, env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
-    assert r.result is not None, (r.exception or "") + r.output[-4000:]
-    assert r.result["bases"] == ["LinearNF4"]  # every LoRA layer wraps a 4-bit base
-    assert not r.result["lora_in_eva"]         # upstream's QLoRA: language model only
-    assert r.result["lora_trained"] and r.result["trainable"] == ["matrix_A", "matrix_B"]
+    results = run_ranks(train_and_inspect, ranks, args=(argv,), timeout=300, env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
+    for r in results:
+        assert r.result is not None, (r.exception or "") + r.output[-4000:]
+        assert r.result["bases"] == ["LinearNF4"]  # every LoRA layer wraps a 4-bit base
+        assert not r.result["lora_in_eva"]         # upstream's QLoRA: language model only
+        assert r.result["lora_trained"] and r.result["trainable"] == ["matrix_A", "matrix_B"]
