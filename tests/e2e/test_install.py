@@ -1,32 +1,13 @@
 """What a user installs: an editable install behaves like a wheel (the start-up hook included)."""
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
+from sat_patches.testing.isolated import dependencies_without_us, tracked_copy
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OURS = ("sat_patches", "_sat_patches_boot", "__editable__")
-
-
-def _tracked_copy(dest):
-    """The checkout's tracked files (what a fresh clone has), copied to ``dest``."""
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
-
-
-def _dependencies_without_us(dest):
-    """This interpreter's installed packages, minus sat_patches and every .pth start-up file: a path
-    entry for a fresh virtual environment that has SAT, torch and setuptools but no trace of us."""
-    site = sysconfig.get_paths()["purelib"]
-    os.makedirs(dest)
-    for name in os.listdir(site):
-        if not (name.startswith(OURS) or name.endswith(".pth")):
-            os.symlink(os.path.join(site, name), os.path.join(dest, name))
 
 
 @pytest.mark.slow
@@ -34,8 +15,8 @@ def test_editable_install_lets_import_sat_come_first_without_triton(tmp_path):
     if not os.path.exists(os.path.join(ROOT, ".git")):
         pytest.skip("needs a git checkout")
     src, deps, venv = tmp_path / "src", tmp_path / "deps", tmp_path / "venv"
-    _tracked_copy(src)
-    _dependencies_without_us(str(deps))
+    tracked_copy(ROOT, str(src))
+    dependencies_without_us(str(deps))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     env = dict(os.environ, PYTHONPATH=str(deps), PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")

@@ -7,33 +7,14 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
+
+from sat_patches.testing.isolated import dependencies_without_us, tracked_copy
 
 from test_checkout_cpu import assert_checkout_cpu_run_succeeded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OURS = ("sat_patches", "_sat_patches_boot", "__editable__")
-
-
-def _tracked_copy(dest):
-    """The repository's tracked files (what a fresh clone has), copied to ``dest``."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    for rel in filter(None, files.split("\0")):
-        if os.path.isfile(os.path.join(ROOT, rel)):
-            os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
-
-
-def _dependencies_without_us(dest):
-    """Symlinks to every entry of this interpreter's site-packages except sat_patches and the ``.pth``
-    start-up files: SAT, torch, DeepSpeed and pip for a fresh virtual environment, no trace of us."""
-    site = sysconfig.get_paths()["purelib"]
-    os.makedirs(dest)
-    for name in os.listdir(site):
-        if not (name.startswith(OURS) or name.endswith(".pth")):
-            os.symlink(os.path.join(site, name), os.path.join(dest, name))
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +24,12 @@ def wheel_env(tmp_path_factory):
         pytest.skip("needs a git checkout")
     tmp = tmp_path_factory.mktemp("wheel")
     src, wheels, deps, venv = tmp / "src", tmp / "wheels", tmp / "deps", tmp / "venv"
-    _tracked_copy(src)
+    tracked_copy(ROOT, str(src))
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
                           str(src)], capture_output=True, text=True, cwd=tmp, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     [wheel] = [str(p) for p in wheels.glob("sat_patches-*.whl")]
-    _dependencies_without_us(str(deps))
+    dependencies_without_us(str(deps))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items()
