@@ -54,11 +54,13 @@ def layers_measured(tmp_path_factory):
     return dict(zip(SHAPES, r.result))
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-f{}-heads{}-t{}-{}".format(*s))
 def test_the_layer_term_is_the_measured_layer(layers_measured, shape):
     """A real vision-expert layer (CPU, bf16 and fp32) against the plan's per-layer working set at its
-    widths: the plan's coefficients hold at any width and length, so small widths check them in seconds."""
+    widths: the meta measurement's cross-check on real tensors (the plan's coefficients hold at any width
+    and length, so small widths check them in seconds)."""
     hidden, ffn, heads, tokens, dtype = shape
     planned = plan.LANGUAGE_LAYER.bytes(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
     measured = layers_measured[shape]
