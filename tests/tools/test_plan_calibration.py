@@ -98,3 +98,11 @@ def test_an_eva_layer_whose_mlp_trains_is_the_measured_layer(mp):
     planned = plan.EVA_LAYER_MLP_TRAINED.bytes(e["max_sequence_length"], e["hidden_size"], e["inner_hidden_size"],
                                                e["num_attention_heads"], mp, 2)
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
+@pytest.mark.parametrize("kind", ["language", "eva"])
+def test_a_layer_keeps_twice_as_much_at_micro_batch_2(kind):
+    """The plan multiplies every activation term by the micro-batch: so does the real layer."""
+    config = upstream_config("cogagent-chat")
+    one, two = (layer_bytes(config, kind, 1, batch=b) for b in (1, 2))
+    assert abs(two / (2 * one) - 1) < 0.01, (one, two)
