@@ -49,14 +49,13 @@ def layer_table() -> bool:
 
 
 HEADER_MB = f"{'measured MB':>12}{'plan MB':>10}{'ratio':>8}"
-TERM = {"language": "activations (language)", "eva": "activations (EVA)", "encoder": "activations (cross branch)"}
 
 
 def full_size_tables() -> bool:
     from sat_patches.cogvlm.shapes import upstream_config
     from sat_patches.finetune import DEMO_TRAINABLE
-    from sat_patches.testing.layer_bytes import layer_bytes, planned_activations, step_peak
-    from sat_patches.tools import plan
+    from sat_patches.testing.layer_bytes import (layer_bytes, planned_activations, planned_layer_bytes,
+                                                 released_layers, step_peak)
     ok = True
     print(f"\n{'full-size layer (model, kind, train, MP, checkpointing)':<60}{HEADER_MB}")
     for name, kind in (("cogvlm-base-490", "cogvlm"), ("cogagent-chat", "cogagent")):
@@ -70,18 +69,14 @@ def full_size_tables() -> bool:
                 for mp in (1, 2, 4):
                     for checkpoint in (False, True):
                         measured = layer_bytes(config, layer, mp, checkpoint=checkpoint, trains=trains)
-                        three, two = (planned_activations(config, mp, layers={layer: n}, checkpoint=checkpoint,
-                                                          train=train)[TERM[layer]] for n in (3, 2))
-                        planned = three - two
+                        planned = planned_layer_bytes(config, layer, mp, checkpoint=checkpoint, train=train)
                         ok &= abs(planned / measured - 1) <= 0.15
                         label = f"{name}, {layer}, {train}, {mp}, {'on' if checkpoint else 'off'}"
                         print(f"{label:<60}{measured / 1e6:>12.2f}{planned / 1e6:>10.2f}{planned / measured:>8.3f}")
     print(f"\n{'whole step at MP=1, checkpointing on (model, train)':<60}{HEADER_MB.replace('MB', 'GB')}")
     for name, kind in (("cogvlm-base-490", "cogvlm"), ("cogagent-chat", "cogagent")):
         config = upstream_config(name)
-        c = plan.plan_config(config)
-        layers = {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
-                  "encoder": c.get("encoder_args", {}).get("layers", 1)}
+        layers = released_layers(config)
         for train in ("lora", "demo"):
             trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
             measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)

@@ -21,6 +21,16 @@ import torch
 KINDS = ("language", "eva", "encoder")
 """Layer kinds: the language model's (vision experts, and CogAgent's cross attention), the EVA2-CLIP-E
 tower's, CogAgent's EVA2-CLIP-L cross encoder's."""
+PLAN_TERMS = {"language": "activations (language)", "eva": "activations (EVA)", "encoder": "activations (cross branch)"}
+"""The ``sat-patches plan`` activation term each kind of layer is counted in."""
+
+
+def released_layers(config: dict) -> Dict[str, int]:
+    """How many layers of each kind the model of ``config`` has (CogAgent's encoder: the code's default)."""
+    from ..tools.plan import plan_config
+    c = plan_config(config)
+    return {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
+            "encoder": c.get("encoder_args", {}).get("layers", 1)}
 
 
 def _with_layers(config: dict, layers: Optional[Dict[str, int]]) -> dict:
@@ -145,3 +155,10 @@ def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str,
                        train=train)
     return {term: value for term, value in plan.estimate(c, setup).device.items()
             if term.startswith(("activations", "logits"))}
+
+
+def planned_layer_bytes(config: dict, kind: str, mp: int = 1, **options) -> float:
+    """The plan's counterpart of :func:`layer_bytes`: what one more layer of ``kind`` adds to its term
+    (``options`` as :func:`planned_activations`)."""
+    three, two = (planned_activations(config, mp, layers={kind: n}, **options)[PLAN_TERMS[kind]] for n in (3, 2))
+    return three - two

@@ -6,8 +6,7 @@ import pytest
 
 from sat_patches.cogvlm.shapes import upstream_config
 from sat_patches.finetune import DEMO_TRAINABLE
-from sat_patches.testing.layer_bytes import planned_activations, step_peak
-from sat_patches.tools import plan
+from sat_patches.testing.layer_bytes import planned_activations, released_layers, step_peak
 
 pytestmark = pytest.mark.slow
 
@@ -17,9 +16,7 @@ def test_the_plans_activations_cover_a_whole_step_by_at_most_30_percent(name, ki
     """The plan adds its terms' peaks, which come at different moments of the step: it may plan more than the
     step's peak, never less."""
     config = upstream_config(name)
-    c = plan.plan_config(config)
-    layers = {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
-              "encoder": c.get("encoder_args", {}).get("layers", 1)}
+    layers = released_layers(config)
     trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
     measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
     planned = sum(planned_activations(config, 1, layers=layers, checkpoint=True, train=train).values())
