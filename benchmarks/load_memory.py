@@ -89,10 +89,9 @@ def measure(path: str, mp: int, stock: bool) -> dict:
     model, _ = cls.from_pretrained(path, args, overwrite_args=overwrite)
     elapsed = time.perf_counter() - start
     peak = proc_status_bytes("VmHWM")
+    from sat_patches.testing.mappings import first_read
     start = time.perf_counter()
-    for p in model.parameters():  # the first read of every weight
-        if p.numel():
-            p.detach().reshape(-1).view(torch.uint8).max()
+    first_read(model.parameters())
     touch = time.perf_counter() - start
     anon, file = proc_status_bytes("RssAnon") - anon, proc_status_bytes("RssFile") - file
     dist.barrier()  # both ranks have touched their weights: shared pages count half

@@ -13,7 +13,7 @@ from sat_patches.patches import loading
 from sat_patches.patches.loading import Checkpoint, CheckpointError, ShardedSource
 from sat_patches.checkpoints.sharding import Split, release_pages
 from sat_patches.checkpoints.state import load_state, meta_tensors
-from sat_patches.testing.mappings import in_file, smaps_bytes
+from sat_patches.testing.mappings import first_read, in_file, smaps_bytes
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
@@ -316,8 +316,7 @@ def test_two_loads_of_one_file_share_its_pages(tiny_checkpoint):
     path, cfg, shard = tiny_checkpoint
     models = [_from_pretrained(path, cfg) for _ in range(2)]
     for model in models:
-        for p in model.parameters():
-            p.detach().reshape(-1).view(torch.uint8).max()  # the first read faults the pages in
+        first_read(model.parameters())  # faults the pages in
     weights = sum(p.numel() * p.element_size() for p in models[0].parameters())
     theirs = [p for model in models for p in model.parameters()]  # not other tests' mappings of the file
     rss, pss = smaps_bytes(shard, "Rss", theirs), smaps_bytes(shard, "Pss", theirs)
