@@ -251,6 +251,11 @@ def _timed_collective(original):
         try:
             return original(*args, **kwargs)
         except Exception as exc:
+            if watchdog.fired.locked():
+                # the watchdog is reporting a hang of this rank and exits the process with EXIT_CODE; a peer that
+                # already exited can fail this collective first ("Connection closed by peer"): wait for that exit
+                with watchdog.fired:
+                    raise
             if outermost and TIMED_OUT in error_kinds(exc):
                 # the process group's own timeout (same length) can beat the watchdog: same report
                 fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "

@@ -153,3 +153,20 @@ def test_one_classifier_reads_timeouts_lost_peers_and_missing_backends():
     assert PEER_LOST in error_kinds(dist.DistNetworkError("failed to recv, got 0 bytes"))
     assert error_kinds(RuntimeError("No backend type associated with device type cpu")) == {NO_BACKEND}
     assert error_kinds(ValueError("image folder is empty")) == frozenset()
+
+
+def test_a_collective_failing_while_the_watchdog_reports_a_hang_waits_for_its_exit(monkeypatch):
+    """The leader's report ends in ``os._exit(EXIT_CODE)`` after a pause that lets the others read it; a
+    follower that exits in that pause makes the leader's blocked collective fail ("Connection closed by
+    peer"). That failure must not end the rank first (status 1, a gloo error after the dump): the
+    collective waits for the report's exit."""
+    import threading
+    recorder = _Recorder()
+    monkeypatch.setattr(hangs, "_watchdog", recorder)
+    recorder.fired.acquire()  # the watchdog thread is reporting
+    done = threading.Event()
+    caller = threading.Thread(target=lambda: (_call_fast("broadcast"), done.set()), daemon=True)
+    caller.start()
+    assert not done.wait(1.0)  # the failed collective does not return while the report is under way
+    recorder.fired.release()   # (a real report never returns: os._exit)
+    assert done.wait(5.0)
