@@ -23,7 +23,8 @@ import _sat_patches_boot  # noqa: F401  (without triton, ``import sat`` needs SA
 
 from .core import noise
 from .core.after_import import AfterImport
-from .core.registry import REGISTRY, Patch, SatPatchesWarning, env_names  # noqa: F401
+from .core import settings
+from .core.registry import REGISTRY, Patch, SatPatchesWarning  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -100,7 +101,7 @@ def format_status(rows=None) -> str:
     return "\n".join(lines)
 
 
-if not ({noise.PATCH_NAME, "all"} & env_names("SAT_PATCHES_DISABLE")):
+if not ({noise.PATCH_NAME, "all"} & settings.read("SAT_PATCHES_DISABLE")):
     noise.install()  # before SAT imports bitsandbytes and DeepSpeed, which log at import
 _hook = AfterImport("sat", _apply_on_import)
 _hook.arm()

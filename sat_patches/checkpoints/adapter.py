@@ -23,6 +23,7 @@ import json
 import os
 from typing import Dict, Optional
 
+from ..core import settings
 from .files import Checkpoint, CheckpointError, find_checkpoint
 
 MANIFEST = "adapter.json"
@@ -56,11 +57,10 @@ def fingerprint(ckpt: Checkpoint) -> Dict:
 
 
 def setting() -> Optional[bool]:
-    value = os.environ.get(SETTING, "").strip()
-    if value not in ("", "0", "1"):
-        raise AdapterError(f"{SETTING}={value!r}: set 1 (save the adapters only), 0 (save the whole model) or leave "
-                           f"it unset (adapters only for a LoRA run of a loaded base)")
-    return None if value == "" else value == "1"
+    try:
+        return settings.read(SETTING)
+    except settings.SettingError as exc:
+        raise AdapterError(str(exc)) from None
 
 
 def adapter_only(module) -> bool:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import mmap
-import os
 from typing import Callable, List, Optional
 
 import torch
+from ..core import settings
 
 TRUST_ENV = "SAT_PATCHES_TRUST_CHECKPOINTS"
 
@@ -45,7 +45,7 @@ class UnsafeCheckpointError(ValueError):
 
 
 def trusted() -> bool:
-    return os.environ.get(TRUST_ENV, "") not in ("", "0")
+    return settings.read(TRUST_ENV)
 
 
 def _resolve(name: str):

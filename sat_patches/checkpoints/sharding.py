@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..core import settings
 from .files import Checkpoint, CheckpointError
 
-CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LOAD_CHUNK_MB", "64")) * 2**20)
+CHUNK_BYTES = int(settings.read("SAT_PATCHES_LOAD_CHUNK_MB") * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
 MERGE_COMMAND = "python -m sat_patches.merge"
 ZERO_COPY = "SAT_PATCHES_LOAD_ZERO_COPY"
@@ -37,8 +37,7 @@ ZERO_COPY = "SAT_PATCHES_LOAD_ZERO_COPY"
 def zero_copy() -> bool:
     """Whether CPU tensors may be lent from the mapped checkpoint instead of copied (``SAT_PATCHES_LOAD_ZERO_COPY``:
     unset or 1, yes; 0, every tensor is copied into new memory)."""
-    from ..core.settings import env_switch
-    return env_switch(ZERO_COPY, True, what="CPU parameters are the mapped checkpoint's pages")
+    return settings.read(ZERO_COPY)
 
 
 # --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 import torch.distributed as dist
 
 from .registry import SatPatchesWarning
-from .settings import env_seconds
+from . import settings
 
 
 class LoadTimeout(RuntimeError):
@@ -31,7 +31,7 @@ class LoadTimeout(RuntimeError):
 
 
 def load_timeout() -> float:
-    return env_seconds("SAT_PATCHES_LOAD_TIMEOUT", 1800.0, what=" that loading may take")
+    return settings.read("SAT_PATCHES_LOAD_TIMEOUT")
 
 
 _barriers = 0

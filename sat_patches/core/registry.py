@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
+from . import settings
 
 MARKER = "__sat_patches__"
+VERIFIED_SAT = "0.4.12"
+"""The SwissArmyTransformer release every patch's gate was written against."""
 
 
 class SatPatchesWarning(UserWarning):
     """A patch was skipped (SAT's code does not look as verified) or a setting was corrected."""
-
-
-def env_names(var: str) -> set:
-    return {n.strip() for n in os.environ.get(var, "").split(",") if n.strip()}
 
 
 def code_names(obj) -> set:
@@ -67,7 +65,7 @@ class Patch:
     target: str
     make: Callable[[Any], Any]
     answers: str
-    verified_on: str = "SwissArmyTransformer 0.4.12"
+    verified_on: str = f"SwissArmyTransformer {VERIFIED_SAT}"
     expect: Optional[Callable[[Any], Optional[str]]] = None
     # state
     status: str = "pending"
@@ -210,13 +208,13 @@ class Registry:
         return [p.name for p in self.patches]
 
     def apply_all(self, disable=(), force=None) -> None:
-        disabled = set(disable) | env_names("SAT_PATCHES_DISABLE")
+        disabled = set(disable) | settings.read("SAT_PATCHES_DISABLE")
         unknown = disabled - set(self.names()) - {"all"}
         if unknown:
             warnings.warn(f"sat_patches: SAT_PATCHES_DISABLE names unknown patches {sorted(unknown)}; "
                           f"known: {', '.join(self.names())}", SatPatchesWarning, stacklevel=3)
         if force is None:
-            force = os.environ.get("SAT_PATCHES_FORCE", "") not in ("", "0")
+            force = settings.read("SAT_PATCHES_FORCE")
         for i, p in enumerate(self.patches):
             if p.name in disabled or "all" in disabled:
                 if p.status != "applied":

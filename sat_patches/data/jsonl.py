@@ -27,9 +27,9 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+from ..core import settings
 
 SETTING = "SAT_PATCHES_BAD_RECORDS"
-POLICIES = ("refuse", "skip")
 BOX = re.compile(r"\[\[(.*?)\]\]")
 SHOWN = 10  # problems listed in a message
 
@@ -53,10 +53,10 @@ class Sample:
 
 
 def bad_records_policy() -> str:
-    policy = os.environ.get(SETTING, "refuse").strip().lower() or "refuse"
-    if policy not in POLICIES:
-        raise DataError(f"{SETTING}={policy!r}: set it to refuse (stop at bad records) or skip (leave them out)")
-    return policy
+    try:
+        return settings.read(SETTING)
+    except settings.SettingError as exc:
+        raise DataError(str(exc)) from None
 
 
 def box_problem(text: str) -> Optional[str]:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..core import settings
 from ..core.registry import Patch, expect_names
 
 _override: Optional[torch.device] = None
@@ -35,7 +36,7 @@ def compute_device() -> torch.device:
     """Where new tensors of this rank belong."""
     if _override is not None:
         return _override
-    env = os.environ.get("SAT_PATCHES_DEVICE")
+    env = settings.read("SAT_PATCHES_DEVICE")
     if env:
         return torch.device(env)
     if cuda_available():

@@ -38,7 +38,7 @@ from typing import Dict, Optional, Sequence
 
 from ..core.coordination import PEER_LOST, error_kinds, group_store
 from ..core.registry import Patch, expect_names, expect_params
-from ..core.settings import env_seconds
+from ..core import settings
 
 
 # --------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ PREFIX = "sat_patches/heartbeat/"
 def heartbeat_timeout() -> Optional[float]:
     """Seconds of silence after which a peer is declared dead; None (off) when set to 0."""
     try:
-        return env_seconds(HEARTBEAT_ENV, 300.0, zero_turns_off=True, what=" of silence that mark a rank dead")
+        return settings.read(HEARTBEAT_ENV)
     except ValueError as exc:
         raise BadInputError(str(exc)) from None
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..core.coordination import TIMED_OUT, error_kinds, group_store
 from ..core.registry import Patch, expect_names
-from ..core.settings import env_seconds
+from ..core import settings
 
 ENV = "SAT_PATCHES_COLLECTIVE_TIMEOUT"
 EXIT_CODE = 124                 # as coreutils' timeout
@@ -48,7 +48,7 @@ COLLECTIVES = ("barrier", "broadcast", "all_reduce", "all_gather", "all_gather_i
 
 def collective_timeout() -> Optional[float]:
     """``SAT_PATCHES_COLLECTIVE_TIMEOUT`` in seconds, or None when unset."""
-    return env_seconds(ENV, what=" that a collective may take")
+    return settings.read(ENV)
 
 
 class Watchdog:

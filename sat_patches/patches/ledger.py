@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..core import settings
 from ..core.registry import Patch, expect_names, expect_params
 from ..tools.ledger_files import (MiB, RANK_CSV, Row, append, flagged, format_table, host_memory, latest_per_rank,
                                   write)
@@ -53,7 +54,7 @@ def _rank() -> int:
 
 
 def enabled() -> bool:
-    return os.environ.get("SAT_PATCHES_LEDGER", "1") not in ("0", "", "false")
+    return settings.read("SAT_PATCHES_LEDGER")
 
 
 class Ledger:
@@ -73,7 +74,7 @@ class Ledger:
                   **host_memory(), **cuda_memory())
         self.rows.append(row)
         self.pending.append(row)
-        early = os.environ.get("SAT_PATCHES_LEDGER_DIR")
+        early = settings.read("SAT_PATCHES_LEDGER_DIR")
         if early:  # each rank's own file, written at once: kept when the run dies before the first step
             append(os.path.join(early, RANK_CSV.format(rank=row.rank)), [row], fresh=len(self.rows) == 1)
         return row
@@ -122,7 +123,7 @@ LEDGER = Ledger()
 
 
 def run_directory(args=None) -> Optional[str]:
-    return os.environ.get("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
+    return settings.read("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
 
 
 # --------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ LoRA checkpoints load, what is saved here loads into stock SAT. :func:`split_lor
 from __future__ import annotations
 
 import math
-import os
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -40,11 +39,12 @@ from sat.mpu import mappings
 from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
+from ..core import settings
 from . import devices
 from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
 from ..core.registry import Patch, expect_names, expect_params
 
-CHUNK_BYTES = int(float(os.environ.get("SAT_PATCHES_LORA_CHUNK_MB", "64")) * 2**20)
+CHUNK_BYTES = int(settings.read("SAT_PATCHES_LORA_CHUNK_MB") * 2**20)
 """Largest temporary (bytes) of a LoRA merge; ``SAT_PATCHES_LORA_CHUNK_MB`` sets it (default 64)."""
 
 def full_shape(layer: nn.Module):
@@ -333,7 +333,7 @@ def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> Non
 
 def qlora_run(args) -> bool:
     """A QLoRA run: upstream's ``--use_qlora``, or ``SAT_PATCHES_QLORA=1`` for scripts without it."""
-    return bool(getattr(args, "use_qlora", False)) or os.environ.get("SAT_PATCHES_QLORA", "") not in ("", "0")
+    return bool(getattr(args, "use_qlora", False)) or settings.read("SAT_PATCHES_QLORA")
 
 
 def qlora_base(model: nn.Module) -> List[nn.Module]:

@@ -38,10 +38,9 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from ..core.registry import Patch, expect_names
-from ..core.settings import env_seconds
+from ..core import settings
 
 ENV = "SAT_PATCHES_PREPROCESS_TIMEOUT"
-DEFAULT_TIMEOUT = 7200.0
 STAGE = "preparing the data sets (make_loaders)"
 KEY_PREFIX = "sat_patches/preprocess/"
 READ_WAIT = 60.0   # at most this long, a failed rank 0 waits for the others to read its error
@@ -53,7 +52,7 @@ _calls = 0
 
 def preprocess_timeout() -> float:
     """``SAT_PATCHES_PREPROCESS_TIMEOUT`` in seconds (default 7200)."""
-    return env_seconds(ENV, DEFAULT_TIMEOUT, what=" that data preprocessing on rank 0 may take")
+    return settings.read(ENV)
 
 
 def _gloo_group(timeout: float):

@@ -10,20 +10,16 @@ script's own choice.
 from __future__ import annotations
 
 import functools
-import os
 
+from ..core import settings
 from ..checkpoints.adapter import is_adapter
 from ..core.registry import Patch, expect_names
 
 ENV = "SAT_PATCHES_TRAINABLE"
-CHOICES = ("demo", "lora")
 
 
 def setting() -> str:
-    value = os.environ.get(ENV, "").strip().lower() or "demo"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: set it to 'lora' (adapters only) or 'demo' (what the script trains)")
-    return value
+    return settings.read(ENV)
 
 
 def adapters_only(model) -> int:

@@ -7,9 +7,10 @@ import traceback
 
 
 def main(argv):
-    if os.environ.get("SAT_PATCHES_CWD"):
-        os.chdir(os.environ["SAT_PATCHES_CWD"])
-    if os.environ.get("SAT_PATCHES_IMPORT", "1") == "1":
+    from sat_patches.core import settings  # this module runs as ``-m sat_patches.testing._rank_main``: no cost
+    if settings.read("SAT_PATCHES_CWD"):
+        os.chdir(settings.read("SAT_PATCHES_CWD"))
+    if settings.read("SAT_PATCHES_IMPORT"):
         import sat_patches  # noqa: F401  (applies the patches not disabled by SAT_PATCHES_DISABLE)
     if argv[0] == "--script":
         script = argv[1:]

@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
+from ..core import settings
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_server.py")
 LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
@@ -68,7 +69,7 @@ IMPORT_TIME_PREFIXES = (
 
 
 def forced_fresh() -> bool:
-    return os.environ.get(FRESH_ENV, "") not in ("", "0")
+    return settings.read(FRESH_ENV)
 
 
 def fresh_reason(env: Dict[str, str], server_env: Dict[str, str]) -> Optional[str]:

@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional
 
+from ..core import settings
+from ..core.registry import VERIFIED_SAT
 from .output import imports_print_to_stderr
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
-VERIFIED_SAT = "0.4.12"
 # PYTORCH_CUDA_ALLOC_CONF options torch 2.x knows (c10 allocator config and the CUDA allocator's own)
 ALLOC_CONF_KEYS = {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
                    "garbage_collection_threshold", "expandable_segments", "large_segment_size_mb", "backend",
@@ -387,16 +388,28 @@ def check_comm_env(f: Facts) -> Check:
 
 
 def check_collective_timeout(f: Facts) -> Check:
-    from ..patches.hangs import ENV
-    from ..core.settings import env_seconds
-    raw = f.env.get(ENV, "").strip()
-    if not raw:
-        return Check("hang dumps", INFO, f"{ENV} unset: a stuck collective is dumped after torch's default 30 min")
+    name = "SAT_PATCHES_COLLECTIVE_TIMEOUT"
     try:
-        seconds = env_seconds(ENV, environ=f.env)
-    except ValueError as exc:
-        return Check("hang dumps", FAIL, str(exc), f"set {ENV}=1800 (seconds) or unset it")
+        seconds = settings.read(name, f.env)
+    except settings.SettingError as exc:
+        return Check("hang dumps", FAIL, str(exc), f"set {name}=1800 (seconds) or unset it")
+    if seconds is None:
+        return Check("hang dumps", INFO, f"{name} unset: a stuck collective is dumped after torch's default 30 min")
     return Check("hang dumps", OK, f"a collective stuck {seconds:g} s dumps every rank's stacks and ends the run")
+
+
+def check_settings(f: Facts) -> Check:
+    """Every ``SAT_PATCHES_*`` variable set here is one sat_patches knows, with a value it can read."""
+    rows = settings.table(f.env)
+    bad = [r["problem"] for r in rows if r["problem"]]
+    unknown = sorted(k for k in f.env if k.startswith("SAT_PATCHES_") and k not in settings.SETTINGS)
+    if bad:
+        return Check("settings", FAIL, "; ".join(bad), "set each as it says, or unset it")
+    if unknown:
+        return Check("settings", WARN, f"unknown setting(s) {', '.join(unknown)}: nothing reads them",
+                     "check the spelling against the settings table below")
+    chosen = [f"{r['name']}={r['value']}" for r in rows if r["value"]]
+    return Check("settings", OK, ", ".join(chosen) or "all SAT_PATCHES_* settings at their defaults")
 
 
 def check_patches(f: Facts) -> Check:
@@ -406,7 +419,7 @@ def check_patches(f: Facts) -> Check:
     if bad:
         return Check("patches", WARN, f"{len(bad)} not applied: " + "; ".join(f"{p['name']} ({p['status']}: "
                                                                             f"{p.get('reason', '')[:80]})" for p in bad[:3]),
-                     "see `sat-patches status`; a skipped patch means SAT's code differs from 0.4.12")
+                     "see `sat-patches status`; a skipped patch means SAT's code differs from " + VERIFIED_SAT)
     text = f"{applied} applied" + (f", disabled: {', '.join(disabled)}" if disabled else "")
     return Check("patches", OK, text)
 
@@ -420,7 +433,8 @@ def check_report_deps(f: Facts) -> Check:
 
 CHECKS: List[Callable[[Facts], Check]] = [
     check_torch, check_nccl, check_sat, check_deepspeed, check_bitsandbytes, check_ninja, check_gpus,
-    check_host_memory, check_ranks_env, check_hostfile, check_comm_env, check_collective_timeout, check_patches,
+    check_host_memory, check_ranks_env, check_hostfile, check_comm_env, check_collective_timeout, check_settings,
+    check_patches,
     check_report_deps,
 ]
 
@@ -444,7 +458,7 @@ def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optio
         return
     e = best.estimate
     facts.host_needed_gb = e.host_node / plan.GB
-    facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SwissArmyTransformer 0.4.12 without sat_patches: "
+    facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SwissArmyTransformer {VERIFIED_SAT} without sat_patches: "
                               f"~{e.host_stock_node / plan.GB:.0f} GB)")
 
 
@@ -459,6 +473,18 @@ def format_checks(checks: List[Check], facts: Facts) -> str:
     fails = sum(c.status == FAIL for c in checks)
     warns = sum(c.status == WARN for c in checks)
     lines.append(f"{fails} blocking problem(s), {warns} warning(s)." if fails or warns else "no problems found.")
+    lines.append("")
+    lines.append(format_settings(settings.table(facts.env)))
+    return "\n".join(lines)
+
+
+def format_settings(rows: List[dict]) -> str:
+    """The declared ``SAT_PATCHES_*`` settings: name, value in force (or default), meaning."""
+    width = max(len(r["name"]) for r in rows)
+    lines = ["settings (environment variables; value set, or the default in brackets):"]
+    for r in rows:
+        value = r["value"] or f"[{r['default']}]"
+        lines.append(f"  {r['name']:<{width}}  {value:<10} {r['meaning']}")
     return "\n".join(lines)
 
 
@@ -470,6 +496,7 @@ def cmd_doctor(args) -> int:
     checks = run(facts)
     if args.json:
         print(json.dumps({"checks": [asdict(c) for c in checks], "versions": facts.versions,
+                          "settings": settings.table(facts.env),
                           "blocking": sum(c.status == FAIL for c in checks)}, indent=1))
     else:
         print(format_checks(checks, facts))

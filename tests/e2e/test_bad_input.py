@@ -243,8 +243,8 @@ CASES = [
     (qlora_without_bitsandbytes, "--use_qlora needs a working bitsandbytes", "lora_args_check"),
     (deepspeed_config_not_json, "ds.json' is not valid JSON: Expecting property name enclosed in double quotes at line 3",
      "deepspeed_config_json"),
-    (load_timeout_not_a_number, "SAT_PATCHES_LOAD_TIMEOUT='30min': set it to a positive number of seconds that "
-                                "loading may take, e.g. SAT_PATCHES_LOAD_TIMEOUT=1800", None),
+    (load_timeout_not_a_number, "SAT_PATCHES_LOAD_TIMEOUT='30min': set it to a positive number of seconds (how long "
+                                "ranks wait for each other while loading), e.g. SAT_PATCHES_LOAD_TIMEOUT=1800", None),
     (sat_code_differs, "skipping patch 'atomic_checkpoint_save'", None),
 ]
 

@@ -34,7 +34,7 @@ def test_setting_decides_what_trains(monkeypatch, value, trains):
 
 def test_bad_setting_and_lora_without_adapters_are_refused(monkeypatch):
     monkeypatch.setenv(trainable.ENV, "all")
-    with pytest.raises(ValueError, match="set it to 'lora'"):
+    with pytest.raises(ValueError, match="set it to demo or lora"):
         trainable.setting()
     with pytest.raises(ValueError, match="no LoRA parameters"):
         trainable.adapters_only(torch.nn.Linear(2, 2))
