@@ -98,7 +98,17 @@ def format_status(rows=None) -> str:
     lines = [f"{'patch'.ljust(width)}  {'status'.ljust(10)}  {'target'.ljust(twidth)}  reason"]
     for r in rows:
         lines.append(f"{r['name'].ljust(width)}  {r['status'].ljust(10)}  {r['target'].ljust(twidth)}  {r['reason']}")
+    lines += ["", "Targets with several patches, innermost first (each wraps the ones above it):"]
+    for target, stack in stacks().items():
+        lines.append(f"  {target}")
+        lines += [f"    {i}. {name}: {why}" for i, (name, why) in enumerate(stack, 1)]
     return "\n".join(lines)
+
+
+def stacks():
+    """The declared order of the patches on each shared target: ``{target: [(name, why), ...]}``."""
+    from .patches import STACKS  # importing the patch modules imports SAT: only when asked
+    return STACKS
 
 
 if not ({noise.PATCH_NAME, "all"} & settings.read("SAT_PATCHES_DISABLE")):

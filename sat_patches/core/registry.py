@@ -12,7 +12,7 @@ import inspect
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import settings
 
 MARKER = "__sat_patches__"
@@ -185,10 +185,12 @@ def _rebind(original, replacement, target_module: str) -> List[Tuple[dict, str]]
 
 
 class Registry:
-    """The ordered set of patches; see :func:`sat_patches.apply`."""
+    """The ordered set of patches; see :func:`sat_patches.apply`. Where several patches share a target,
+    their order is the one declared for that target (:meth:`declare_stacks`), not their registration order."""
 
     def __init__(self):
         self.patches: List[Patch] = []
+        self.stacks: Dict[str, List[str]] = {}
 
     def add(self, *patches: Patch) -> None:
         known = {p.name for p in self.patches}
@@ -197,6 +199,25 @@ class Registry:
                 raise ValueError(f"duplicate patch name {p.name}")
             known.add(p.name)
             self.patches.append(p)
+
+    def declare_stacks(self, stacks: Dict[str, List[str]]) -> None:
+        """Declare, for each shared target, the order of its patches (innermost first). Every target
+        that several registered patches share must be declared, with exactly those patches."""
+        by_target: Dict[str, List[str]] = {}
+        for p in self.patches:
+            by_target.setdefault(p.target, []).append(p.name)
+        for target, names in by_target.items():
+            declared = list(stacks.get(target, ()))
+            if len(names) > 1 and sorted(declared) != sorted(names):
+                raise ValueError(f"patches {names} share {target}: declare their order (innermost first) with "
+                                 f"all of them; declared: {declared}")
+        stray = set(stacks) - {t for t, n in by_target.items() if len(n) > 1}
+        if stray:
+            raise ValueError(f"stacks declared for targets without several patches: {sorted(stray)}")
+        self.stacks = {t: list(n) for t, n in stacks.items()}
+        # the declared order becomes the registration order on each shared target
+        slots = {t: iter(self.get(n) for n in order) for t, order in self.stacks.items()}
+        self.patches = [next(slots[p.target]) if p.target in slots else p for p in self.patches]
 
     def get(self, name: str) -> Patch:
         for p in self.patches:

@@ -4,27 +4,10 @@ A new patch goes into the module of its concern (or a new module listed below): 
 in that module's ``PATCHES`` names the target, the replacement factory, a gate on the shape of SAT's
 code and the upstream issue it answers. :mod:`sat_patches.core.registry` applies them in this order.
 
-Several SAT functions carry patches from more than one module. On a shared target a module listed
-later wraps the ones listed earlier (its code runs first on the way in and last on the way out):
-
-* ``sat.arguments:get_args``: faults (DeepSpeed config read as JSON first) under distributed (CPU
-  device accepted), so the config is checked whatever device the run ends up on.
-* ``sat.arguments:initialize_distributed``: distributed (the process group's backends, its destruction at exit), then
-  deepspeed_setup (config lint before DeepSpeed reads it), ledger (baseline row once the group
-  exists), hangs (collective timeout set around all of it).
-* ``sat.training.deepspeed_training:training_main``: faults (the rank heartbeat runs around SAT's
-  training), distributed (a passed-in model goes to the compute device), loading (outermost: one
-  experiment name is chosen on rank 0 before anything beneath it runs).
-* ``setup_model_untrainable_params_and_optimizer``: distributed (names the collective when the
-  parameter sync fails), trainable (the adapters-only choice is in place before SAT asks the model
-  what trains), ledger (memory after DeepSpeed's set-up), resume (optimizer shards loaded after
-  DeepSpeed built the optimizer).
-* ``MetaModel.__call__`` and ``BaseModel.add_mixin``: construction (build on the compute device, in
-  the run's dtype), then ledger (the row is taken once the construction context has closed).
-* ``load_checkpoint`` and ``BaseModel.from_pretrained``: loading replaces SAT's code without
-  calling it, so ledger must come after it to see the call.
-* ``sat.training.model_io:save_checkpoint``: resume (optimizer shards written) inside
-  checkpointing (the atomic save stages everything the save writes, shards included).
+Several SAT functions carry patches from more than one module. Their order is declared once, in
+:data:`STACKS`, target by target, innermost first, each with the reason for its place; the registry
+applies them in that order whatever the order of :data:`MODULES`, and refuses a shared target that
+is not declared. ``sat-patches status`` prints the stacks.
 """
 import sys
 
@@ -58,8 +41,56 @@ MODULES = [
     preprocess,
 ]
 
+# Innermost first: each patch wraps the ones above it, so its code runs first on the way in and last on the
+# way out. (name, why it sits there)
+STACKS = {
+    "sat.arguments:get_args": (
+        ("deepspeed_config_json", "the DeepSpeed config is read as JSON before anything else reads it"),
+        ("get_args_cpu_device", "outermost, so the config is checked whatever device the run ends up on"),
+    ),
+    "sat.arguments:initialize_distributed": (
+        ("process_group_backend", "creates the process group with a backend for each device (cpu:gloo,cuda:nccl)"),
+        ("destroy_group_at_exit", "registers the group's destruction once the group exists"),
+        ("deepspeed_config_lint", "lints the DeepSpeed config before DeepSpeed reads it, above the group"),
+        ("ledger_start", "takes its baseline row once the group exists"),
+        ("collective_timeout", "outermost: the collective timeout is set around all of it"),
+    ),
+    "sat.training.deepspeed_training:training_main": (
+        ("rank_heartbeat", "the rank heartbeat runs around SAT's training itself"),
+        ("training_main_device", "a passed-in model goes to the compute device before training starts"),
+        ("shared_experiment_name", "outermost: rank 0 chooses one experiment name before anything beneath runs"),
+    ),
+    "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer": (
+        ("explain_sync_collective", "names the collective when SAT's parameter sync fails"),
+        ("trainable_setting", "the adapters-only choice is made before SAT asks the model what trains"),
+        ("ledger_deepspeed_init", "the memory row is taken after DeepSpeed's set-up"),
+        ("resume_optimizer_load", "optimizer shards are loaded after DeepSpeed built the optimizer"),
+    ),
+    "sat.model.registry:MetaModel.__call__": (
+        ("build_models_on_device", "builds on the compute device, in the run's dtype"),
+        ("ledger_build", "the row is taken once the construction context has closed"),
+    ),
+    "sat.model.base_model:BaseModel.add_mixin": (
+        ("add_mixin_on_device", "builds the mixin on the compute device, in the run's dtype"),
+        ("ledger_lora", "the row is taken once the construction context has closed"),
+    ),
+    "sat.training.model_io:load_checkpoint": (
+        ("load_checkpoint_mmap", "replaces SAT's code without calling it"),
+        ("ledger_load", "must wrap the replacement to see the call"),
+    ),
+    "sat.model.base_model:BaseModel.from_pretrained": (
+        ("from_pretrained_rank_local", "replaces SAT's code without calling it"),
+        ("ledger_from_pretrained", "must wrap the replacement to see the call"),
+    ),
+    "sat.training.model_io:save_checkpoint": (
+        ("resume_optimizer_save", "writes the optimizer shards beside the model's"),
+        ("atomic_checkpoint_save", "outermost: stages everything the save writes, shards included, then publishes"),
+    ),
+}
+
 PATCHES = [patch for module in MODULES for patch in module.PATCHES]
 REGISTRY.add(*PATCHES)
+REGISTRY.declare_stacks({target: [name for name, _ in stack] for target, stack in STACKS.items()})
 
 # Importing the modules above imported SAT. If that was SAT's first import, ``import sat_patches``
 # left the patches waiting for it: they go on now.

@@ -173,3 +173,62 @@ def test_unpatching_one_of_two_stacked_patches_keeps_the_other():
     assert module.sat_function(1) == 25  # registration order again: outer over inner
     reg.unpatch_all()
     assert module.sat_function(1) == 2
+
+
+def _applied_stack(target):
+    """The patch names on ``target`` as applied, innermost first: the marked replacements met while
+    following ``__wrapped__`` down from what the target holds now."""
+    from sat_patches.core.registry import MARKER
+    obj, names = sat_patches.REGISTRY.get(sat_patches.REGISTRY.stacks[target][0]).current(), []
+    while obj is not None:
+        func = getattr(obj, "__func__", obj)
+        if getattr(func, MARKER, None):
+            names.append(getattr(func, MARKER))
+        obj = getattr(func, "__wrapped__", None)
+    return names[::-1]
+
+
+def test_every_shared_target_is_applied_in_its_declared_order():
+    from sat_patches.patches import STACKS
+    sat_patches.apply()
+    assert set(STACKS) == set(sat_patches.REGISTRY.stacks)
+    for target, stack in STACKS.items():
+        declared = [name for name, _ in stack]
+        assert _applied_stack(target) == declared, target
+
+
+def test_the_declaration_not_the_registration_decides_the_order():
+    module, _ = _fake_target()
+    reg = Registry()
+    reg.add(Patch("times_ten", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) * 10), answers="t"),
+            Patch("plus_five", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) + 5), answers="t"))
+    reg.declare_stacks({"satp_fake_target:sat_function": ["plus_five", "times_ten"]})
+    reg.apply_all()
+    try:
+        assert module.sat_function(1) == 70  # (1 + 1 + 5) * 10: times_ten is outermost, as declared
+        reg.restore(["plus_five"])
+        assert module.sat_function(1) == 20
+        reg.apply_all()
+        assert module.sat_function(1) == 70
+    finally:
+        reg.unpatch_all()
+    assert module.sat_function(1) == 2
+
+
+def test_a_shared_target_without_a_declared_order_is_refused():
+    reg = Registry()
+    reg.add(Patch("a", "satp_fake_target:sat_function", lambda orig: orig, answers="t"),
+            Patch("b", "satp_fake_target:sat_function", lambda orig: orig, answers="t"))
+    with pytest.raises(ValueError, match=r"patches \['a', 'b'\] share satp_fake_target:sat_function: declare"):
+        reg.declare_stacks({})
+    with pytest.raises(ValueError, match="declared: \\['a'\\]"):
+        reg.declare_stacks({"satp_fake_target:sat_function": ["a"]})
+
+
+def test_status_prints_each_declared_stack_with_its_reasons():
+    from sat_patches.patches import STACKS
+    text = sat_patches.format_status()
+    for target, stack in STACKS.items():
+        assert target in text
+        for name, why in stack:
+            assert f"{name}: {why}" in text
