@@ -65,5 +65,5 @@ setup(
         "report": ["matplotlib>=3.5"],
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5"],
     },
-    entry_points={"console_scripts": ["sat-patches=sat_patches.tools.cli:main"]},
+    entry_points={"console_scripts": ["sat-patches=sat_patches.cli.main:main"]},
 )

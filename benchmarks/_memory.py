@@ -1,5 +1,5 @@
 """Read this process's memory counters from /proc (Linux), exact to the kB: both benchmarks use it.
-(Not sat_patches.tools.ledger_files.host_memory: importing sat_patches arms the patches for the next
+(Not sat_patches.diagnostics.ledger_files.host_memory: importing sat_patches arms the patches for the next
 ``import sat``, and the stock variant must stay stock.)"""
 
 

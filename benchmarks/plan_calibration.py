@@ -31,7 +31,7 @@ def layer_table() -> bool:
     import torch
     from sat_patches.cogvlm import prepare_tiny_run
     from sat_patches.testing import run_ranks
-    from sat_patches.tools import plan
+    from sat_patches.planning import estimator as plan
     with tempfile.TemporaryDirectory(prefix="satp-calibration-") as tmp:
         tiny = prepare_tiny_run(tmp, "cogvlm", n_train=1, n_valid=1)
         shapes = [(h, f, heads, t, getattr(torch, d)) for h, f, heads, t, d in LAYERS]
@@ -88,7 +88,7 @@ def full_size_tables() -> bool:
 
 def main() -> int:
     from sat_patches.testing.live_bytes import head_and_loss_peak
-    from sat_patches.tools import plan
+    from sat_patches.planning import estimator as plan
     print(f"{'model':<18}{'MP':>4}{'tokens':>8}{'measured GB':>13}{'plan GB':>10}{'plan / measured':>17}")
     ok = True
     for name in ("cogvlm-base-490", "cogagent-chat"):

@@ -17,4 +17,4 @@
 # CPU_RANKS=2 runs the checkout's own demo on 2 CPU ranks: a smoke test before paying for GPUs.
 # Example, 2 GPUs with model parallelism:  NUM_GPUS_PER_WORKER=2 MP_SIZE=2 bash finetune_cogvlm.sh
 export MODEL_KIND=cogvlm
-SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)" exec python -m sat_patches.runner.finetune_run "$@"

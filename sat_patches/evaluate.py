@@ -102,7 +102,7 @@ def load_for_generation(ckpt: str, kind: str, mp: int):
     from .checkpoints.files import find_checkpoint, read_model_config
     from .cogvlm import model_class_for
     from .finetune import add_lora
-    from .patches.loading import load_checkpoint
+    from .checkpoints.loading import load_checkpoint
     run = find_checkpoint(ckpt)
     manifest = adapter.read_manifest(os.path.dirname(run.files[0]))
     cls, size = model_class_for(kind), {"model_parallel_size": mp}

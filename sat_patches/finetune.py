@@ -169,7 +169,7 @@ def train(argv) -> int:
     kind = _kind_of(argv)
     os.environ.setdefault("SAT_PATCHES_TRAINABLE", "lora")  # this trainer's default: the adapters only
     known, rest = demo_parser(kind).parse_known_args(argv)
-    from .patches.faults import check_finetune_args
+    from .runtime.checks import check_finetune_args
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built
     args = get_args(rest)
     args = argparse.Namespace(**vars(args), **vars(known))

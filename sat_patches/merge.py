@@ -138,7 +138,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     from .checkpoints import adapter, files, sharding
     from .checkpoints.state import load_state, meta_tensors
     from .core import coordination
-    from .patches import construction
+    from .runtime import construction
     if os.path.exists(out_dir) and not overwrite:
         raise MergeError(f"{out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
     ckpt = files.find_checkpoint(checkpoint, iteration)

@@ -1,6 +1,10 @@
 import os
+import sys
 
 import pytest
+
+# tests/support: helpers the tests share (and the ranks they start, which inherit this sys.path)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")

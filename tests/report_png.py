@@ -1,7 +1,7 @@
 """Shared check: `sat-patches report RUN_DIR` draws one line per rank (issue 6)."""
 from PIL import Image
 
-from sat_patches.tools.cli import main
+from sat_patches.cli.main import main
 
 RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c"]  # matplotlib's first line colours: rank 0, 1, 2
 

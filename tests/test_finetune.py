@@ -3,7 +3,7 @@
 import pytest
 
 from sat_patches.testing import run_ranks
-from sat_patches.tools import finetune_run
+from sat_patches.runner import finetune_run
 
 
 def train_and_inspect(argv):

@@ -12,7 +12,6 @@ import zipfile
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-import torch
 
 from . import safe_load
 

@@ -10,7 +10,7 @@
   ``SAT_PATCHES_LOAD_ZERO_COPY=0`` copies every tensor).
 * Any model-parallel size loads from any other: every rank reads only its own slice of each split
   tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B by
-  :func:`lora_factor_split`, the rule :mod:`sat_patches.patches.lora` builds its layers by) from the
+  :func:`lora_factor_split`, the rule :mod:`sat_patches.lora.layer` builds its layers by) from the
   mapped shard files. Nothing is built in full and nothing is sent
   between ranks. A split tensor this module cannot place stops the load with a message naming
   :data:`MERGE_COMMAND`.

@@ -3,8 +3,8 @@ meta, each rank reading only its own slices of the memory-mapped shards
 (:class:`~sat_patches.checkpoints.sharding.ShardedSource`; on the CPU a tensor assigned whole is the
 mapped file's own, not a copy); and the random states a checkpoint saved.
 
-Used by :mod:`sat_patches.patches.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
-:mod:`sat_patches.patches.resume` and by ``python -m sat_patches.merge``.
+Used by :mod:`sat_patches.checkpoints.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
+:mod:`sat_patches.checkpoints.resume` and by ``python -m sat_patches.merge``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .sharding import ShardedSource, split_of
 
 def materialise_device() -> torch.device:
     """Where tensors built on meta are materialised: the compute device (CPU while it is meta)."""
-    from ..patches import devices
+    from ..runtime import devices
     return devices.communication_device()
 
 

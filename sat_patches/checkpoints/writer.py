@@ -7,7 +7,7 @@ fsynced, and one rename puts it under its final name (an atomic exchange when th
 directory, whole; what the user had there is removed only once the new one is complete. Single
 files (``latest``, ``model_config.json``) are replaced the same way (:func:`write_text_atomic`).
 
-Used by the atomic checkpoint save (:mod:`sat_patches.patches.checkpointing`), by
+Used by the atomic checkpoint save (:mod:`sat_patches.checkpoints.publish`), by
 ``python -m sat_patches.merge`` and by :func:`sat_patches.cogvlm.config.save_pretrained_dir`.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every process of a run (each rank, the demo's prepare/merge/verify steps) logged
   optional faster CPU kernel for 4-bit matmuls (QLoRA on CPU), fetched from a model hub.
 * DeepSpeed: "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
   detect it.": the ranks' device is what matters, and sat_patches says it once, on rank 0, when the
-  ranks have agreed on it (:func:`sat_patches.patches.distributed.check_ranks_agree_on_device`).
+  ranks have agreed on it (:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`).
 * torch's DataLoader, per loader: "'pin_memory' argument is set as true but no accelerator is
   found": SAT asks for pinned memory, which only applies where there is an accelerator; the warning
   is raised only where there is none.

@@ -16,7 +16,6 @@ Without a run directory SAT prints as before. ``SAT_PATCHES_DISABLE`` with a pat
 """
 from __future__ import annotations
 
-import csv
 import functools
 import os
 
@@ -24,32 +23,19 @@ import torch
 import torch.distributed as dist
 
 from ..core.registry import Patch, expect_params
-from .ledger import run_directory
-
-ARGUMENTS_TXT, STEP_TIMES_CSV = "arguments.txt", "step_times.csv"
-
-
-class _Run:
-    """The directory and iteration of the run being logged (set where SAT hands us ``args``)."""
-    directory = None
-    iteration = None
+from ..diagnostics.console import ARGUMENTS_TXT, CurrentRun, record_times, write_arguments
+from ..diagnostics.ledger import run_directory
 
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def write_arguments(args, path: str) -> None:
-    with open(path, "w") as f:
-        for name, value in vars(args).items():
-            f.write(f"{name} = {value!r}\n")
-
-
 def _print_args(original):
     @functools.wraps(original)
     def print_args(args):
         run_dir = run_directory(args)
-        _Run.directory, _Run.iteration = run_dir, getattr(args, "iteration", 0)
+        CurrentRun.directory, CurrentRun.iteration = run_dir, getattr(args, "iteration", 0)
         if not run_dir or getattr(args, "save_args", False):  # --save-args: SAT's own copy, as asked
             return original(args)
         os.makedirs(run_dir, exist_ok=True)
@@ -60,33 +46,18 @@ def _print_args(original):
     return print_args
 
 
-def record_times(run_dir: str, iteration, times: dict) -> None:
-    path = os.path.join(run_dir, STEP_TIMES_CSV)
-    fresh = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if fresh:
-            writer.writerow(["iteration", *[f"{name}_ms" for name in times]])
-        writer.writerow([iteration, *[f"{ms:.2f}" for ms in times.values()]])
-
-
 def _timers_log(original):
     @functools.wraps(original)
     def log(self, names, normalizer=1.0, reset=True):
-        if not _Run.directory:
+        if not CurrentRun.directory:
             return original(self, names, normalizer, reset)
         assert normalizer > 0.0
         # every rank reads (and resets) its timers, as SAT's log does; rank 0 writes them down
         times = {name: self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer
                  for name in names if name in self.timers}
         if _rank0():
-            record_times(_Run.directory, _Run.iteration, times)
+            record_times(CurrentRun.directory, CurrentRun.iteration, times)
     return log
-
-
-def note_iteration(args, step) -> None:
-    """Called with each progress line: the iteration the next timer row belongs to."""
-    _Run.directory, _Run.iteration = run_directory(args), step
 
 
 def _report_memory(original):

@@ -9,86 +9,14 @@ allocations follow it instead of a hard-coded device.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import socket
 import time
-from typing import Optional
 
 import torch
 
-from ..core import settings
 from ..core.registry import Patch, expect_names
+from ..runtime.devices import communication_device, compute_device, synchronize
 
-_override: Optional[torch.device] = None
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def compute_device() -> torch.device:
-    """Where new tensors of this rank belong."""
-    if _override is not None:
-        return _override
-    env = settings.read("SAT_PATCHES_DEVICE")
-    if env:
-        return torch.device(env)
-    if cuda_available():
-        count = torch.cuda.device_count()
-        if local_rank() >= count:  # a modulo would silently put two ranks on one GPU
-            raise RuntimeError(f"sat_patches: LOCAL_RANK={local_rank()} but {describe()}: this node runs more ranks "
-                               f"than it has GPUs. Lower the GPUs per node (NUM_GPUS_PER_WORKER / --nproc-per-node) "
-                               f"to {count}, or make more GPUs visible.")
-        return torch.device("cuda", local_rank())
-    return torch.device("cpu")
-
-
-def describe() -> str:
-    """What this rank sees, for messages: host, CUDA devices, CUDA_VISIBLE_DEVICES."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = "unset" if visible is None else repr(visible)
-    count = torch.cuda.device_count() if cuda_available() else 0
-    return f"host {socket.gethostname()} sees {count} CUDA device(s) (CUDA_VISIBLE_DEVICES {shown})"
-
-
-def sat_device_arg():
-    """The value SAT keeps in ``args.device``: an int CUDA index, or a device string."""
-    dev = compute_device()
-    return dev.index if dev.type == "cuda" else dev.type
-
-
-def communication_device() -> torch.device:
-    """Device for tensors handed to collectives: the compute device, or CPU when that is meta."""
-    dev = compute_device()
-    return torch.device("cpu") if dev.type == "meta" else dev
-
-
-@contextlib.contextmanager
-def use_device(device):
-    """Point the policy at ``device`` (e.g. ``"meta"``) inside the block."""
-    global _override
-    previous, _override = _override, torch.device(device)
-    try:
-        yield _override
-    finally:
-        _override = previous
-
-
-def synchronize() -> None:
-    """``torch.cuda.synchronize`` only where the compute device is CUDA."""
-    if compute_device().type == "cuda":
-        torch.cuda.synchronize()
-
-
-# --------------------------------------------------------------------------------------
-# Patches
-# --------------------------------------------------------------------------------------
 
 def _timer_method(original):
     """Timers call ``torch.cuda.synchronize`` unconditionally (sat/training/utils.py)."""
@@ -111,8 +39,7 @@ def _timer_method(original):
 
 def _broadcast_data(original):
     """``mpu.broadcast_data`` packs on ``torch.cuda.current_device()`` (sat/mpu/data.py)."""
-    from sat.mpu.initialize import (get_model_parallel_group, get_model_parallel_rank,
-                                    get_model_parallel_src_rank)
+    from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
 
     @functools.wraps(original)
     def broadcast_data(keys, data, datatype):

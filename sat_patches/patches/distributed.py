@@ -8,36 +8,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import functools
-import warnings
 
-import torch
 import torch.distributed as dist
 
-from . import devices
-from ..core.coordination import NO_BACKEND, error_kinds
-from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
-
-
-def process_group_backend(requested: str = "nccl") -> str:
-    """The backend string to create the process group with, so that CPU tensors have a backend.
-
-    ``gloo``/``ucc``/``mpi`` (they serve CPU) and mapping strings that already name a CPU backend
-    stay as they are. A backend that serves only CUDA (``nccl``, or one registered with
-    ``devices=["cuda"]``) becomes ``cpu:gloo,cuda:<it>``; plain ``nccl`` on a machine without CUDA or
-    NCCL becomes ``gloo``.
-    """
-    requested = (requested or "nccl").strip()
-    if ":" in requested:
-        devices_named = {part.split(":")[0].strip() for part in requested.split(",")}
-        return requested if "cpu" in devices_named else f"cpu:gloo,{requested}"
-    capability = dist.Backend.backend_capability.get(requested.lower())
-    if capability is None or "cpu" in capability:
-        return requested
-    if requested.lower() == "nccl" and not (devices.cuda_available() and dist.is_nccl_available()):
-        return "gloo"
-    return f"cpu:gloo,cuda:{requested}"
+from ..core.registry import Patch, expect_names, expect_params
+from ..runtime import devices
+from ..runtime.distributed import (check_ranks_agree_on_device, destroy_group_at_exit, explained_collectives,
+                                   process_group_backend, training_device,)
 
 
 def _initialize_distributed(original):
@@ -53,12 +31,6 @@ def _initialize_distributed(original):
             check_ranks_agree_on_device()
         return result
     return initialize_distributed
-
-
-def destroy_group_at_exit() -> None:
-    """Destroy the default process group, if one is still there (registered with ``atexit``)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _destroy_at_exit(original):
@@ -78,42 +50,6 @@ def _destroy_at_exit(original):
             atexit.register(destroy_group_at_exit)
         return result
     return initialize_distributed
-
-
-def _all_gather_text(text: str, size: int = 512) -> list:
-    """Every rank's ``text`` (up to ``size`` bytes), in rank order: one collective on CPU tensors,
-    which every process group here has a backend for."""
-    data = text.encode()[:size]
-    mine = torch.zeros(size, dtype=torch.uint8)
-    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
-
-
-def _say_device(kind: str, ranks: int) -> None:
-    """Once per job: where it computes (DeepSpeed's own accelerator line is filtered out as noise)."""
-    why = " (no CUDA device: DeepSpeed runs on its CPU accelerator)" if kind == "cpu" else ""
-    print(f"sat_patches: {ranks} rank(s) compute on {kind}{why}", flush=True)
-
-
-def check_ranks_agree_on_device() -> None:
-    """Every rank computes on the same kind of device, or the job stops here, on every rank.
-
-    A rank falls back to CPU only where it sees no CUDA. In a CUDA job that is a node's visibility
-    mistake (a wrong CUDA_VISIBLE_DEVICES, a missing driver), and the rank would join with another
-    backend and compute on its CPU until something times out. CPU on purpose (``SAT_PATCHES_DEVICE=cpu``,
-    the scripts' ``CPU_RANKS``) is that on every rank, so the ranks agree."""
-    rank, mine = dist.get_rank(), devices.compute_device().type
-    if dist.get_world_size() == 1:
-        return
-    seen = [text.split("|", 1) for text in _all_gather_text(f"{mine}|{devices.describe()}")]
-    if len({kind for kind, _ in seen}) == 1:
-        return _say_device(mine, len(seen)) if rank == 0 else None
-    lines = [f"  rank {r} computes on {kind}: {what}" for r, (kind, what) in enumerate(seen)]
-    raise RuntimeError("sat_patches: the ranks of this job do not agree on the compute device:\n" + "\n".join(lines)
-                       + "\nMake CUDA visible on every node of a GPU job, or run every rank on CPU "
-                         "(SAT_PATCHES_DEVICE=cpu, or CPU_RANKS with the finetune scripts).")
 
 
 def _get_args(original):
@@ -146,44 +82,6 @@ def _get_args(original):
             args.local_rank = local_rank[0]
         return args
     return get_args
-
-
-@contextlib.contextmanager
-def explained_collectives(where: str, named_tensors):
-    """Re-raise "No backend type associated with device type X" naming the SAT call site and the
-    first tensor on a device the process group has no backend for."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if NO_BACKEND not in error_kinds(exc):
-            raise
-        backend = str(dist.get_backend()) if dist.is_initialized() else "?"
-        served = _devices_served(backend)
-        culprit = next(((n, t) for n, t in named_tensors() if t.device.type not in served), None)
-        what = (f"tensor '{culprit[0]}' is on {culprit[1].device}" if culprit
-                else "a tensor is on a device")
-        raise RuntimeError(
-            f"{exc}\nsat_patches: in {where}: {what}, and the process group (backend '{backend}') has "
-            f"no backend for it. Create the group with backend 'cpu:gloo,cuda:nccl' (sat_patches' "
-            f"process_group_backend patch does this unless disabled) or put the tensor on the compute "
-            f"device {devices.compute_device()}.") from exc
-
-
-def _devices_served(backend: str) -> set:
-    if ":" in backend:
-        return {part.split(":")[0].strip() for part in backend.split(",")}
-    return set(dist.Backend.backend_capability.get(backend.lower(), ["cpu", "cuda"]))
-
-
-def training_device(args, model_given: bool):
-    """The device ``training_main`` moves a passed-in model to: the compute device, not a 'cpu' that
-    CogVLM's QLoRA demo put in ``args.device`` while CUDA is present."""
-    compute = devices.compute_device()
-    if model_given and compute.type == "cuda" and str(getattr(args, "device", "")) == "cpu":
-        warnings.warn("args.device is 'cpu' but this rank computes on CUDA; training_main would move the "
-                      f"whole model back to CPU. Using {compute}.", SatPatchesWarning, stacklevel=3)
-        return compute.index
-    return args.device
 
 
 def _training_main(original):

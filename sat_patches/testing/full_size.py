@@ -47,7 +47,7 @@ def build_on_meta(config: dict, mp: int = 1):
     rank 0 of ``mp`` holds it, on meta, in bf16."""
     import torch
     from ..cogvlm import config as cogvlm_config
-    from ..patches import construction
+    from ..runtime import construction
     cls = cogvlm_config.model_class_for(config["model_class"], finetune=False)
     args = cls.get_args()
     for key, value in {**cogvlm_config._run_defaults(), **copy.deepcopy(config)}.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sat_patches.testing import run_ranks
-from sat_patches.tools import finetune_run
+from sat_patches.runner import finetune_run
 
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from sat_patches.testing import run_ranks
-from sat_patches.tools import finetune_run
+from sat_patches.runner import finetune_run
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 
 from sat_patches.cogvlm.shapes import RELEASED, upstream_config
 from sat_patches.testing.full_size import build_on_meta
-from sat_patches.tools import plan
+from sat_patches.planning import estimator as plan
 
 
 def model_config(name: str) -> dict:

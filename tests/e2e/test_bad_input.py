@@ -48,28 +48,28 @@ def _dataset(path):
 
 # ----------------------------------------------------------------------------- cases
 def mp_not_dividing_world(tmp):
-    from sat_patches.tools.finetune_check import check
+    from sat_patches.runner.finetune_check import check
     raise ValueError("\n".join(check({"CPU_RANKS": "3", "MP_SIZE": "2"})))
 
 
 def mp_not_dividing_heads(tmp):
-    from sat_patches.tools.finetune_check import check
+    from sat_patches.runner.finetune_check import check
     raise ValueError("\n".join(check({"CPU_RANKS": "3", "MP_SIZE": "3", "MODEL_TYPE": "cogvlm-base-490"})))
 
 
 def checkpoint_missing(tmp):
-    from sat_patches.patches.loading import find_checkpoint
+    from sat_patches.checkpoints.loading import find_checkpoint
     find_checkpoint(str(tmp / "nowhere"))
 
 
 def checkpoint_empty(tmp):
-    from sat_patches.patches.loading import find_checkpoint
+    from sat_patches.checkpoints.loading import find_checkpoint
     (tmp / "empty").mkdir()
     find_checkpoint(str(tmp / "empty"))
 
 
 def checkpoint_missing_shard(tmp):
-    from sat_patches.patches.loading import find_checkpoint
+    from sat_patches.checkpoints.loading import find_checkpoint
     root = _checkpoint(tmp / "ck")
     os.remove(os.path.join(root, "3", "mp_rank_01_model_states.pt"))
     (tmp / "ck" / "3" / "mp_rank_02_model_states.pt").write_bytes(b"")   # shard 1 of 3 missing
@@ -77,19 +77,19 @@ def checkpoint_missing_shard(tmp):
 
 
 def checkpoint_truncated(tmp):
-    from sat_patches.patches.loading import find_checkpoint
+    from sat_patches.checkpoints.loading import find_checkpoint
     find_checkpoint(_checkpoint(tmp / "ck", truncate=1))
 
 
 def model_config_missing_fields(tmp):
-    from sat_patches.patches.loading import read_model_config
+    from sat_patches.checkpoints.loading import read_model_config
     root = _checkpoint(tmp / "ck")
     (tmp / "ck" / "model_config.json").write_text('{"num_layers": 2, "vocab_size": 1024}')
     read_model_config(root)
 
 
 def _model_config(tmp, **changes):
-    from sat_patches.patches.loading import read_model_config
+    from sat_patches.checkpoints.loading import read_model_config
     root = _checkpoint(tmp / "ck")
     config = json.loads((tmp / "ck" / "model_config.json").read_text())
     (tmp / "ck" / "model_config.json").write_text(json.dumps(dict(config, **changes)))
@@ -121,7 +121,7 @@ def model_config_eva_args_bad_size(tmp):
 
 
 def model_config_not_an_object(tmp):
-    from sat_patches.patches.loading import read_model_config
+    from sat_patches.checkpoints.loading import read_model_config
     root = _checkpoint(tmp / "ck")
     (tmp / "ck" / "model_config.json").write_text("[32, 4096]")
     read_model_config(root)
@@ -158,7 +158,7 @@ def lora_layer_range_out_of_bounds(tmp):
 def lora_layer_range_vs_checkpoint(tmp):
     """The demo-side check, before from_pretrained: num_layers from the checkpoint's model_config.json."""
     import argparse
-    from sat_patches.patches.faults import check_finetune_args
+    from sat_patches.runtime.checks import check_finetune_args
     check_finetune_args(argparse.Namespace(use_lora=True, lora_rank=8, layer_range=[0, 16], use_qlora=False,
                                            from_pretrained=_checkpoint(tmp / "ck")))
 

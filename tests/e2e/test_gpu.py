@@ -14,7 +14,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 
 def test_compute_device_is_cuda_local_rank(monkeypatch):
-    from sat_patches.patches import devices
+    from sat_patches.runtime import devices
     monkeypatch.delenv("SAT_PATCHES_DEVICE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count() - 1))
     assert devices.compute_device() == torch.device("cuda", torch.cuda.device_count() - 1)
@@ -22,13 +22,13 @@ def test_compute_device_is_cuda_local_rank(monkeypatch):
 
 
 def test_nccl_becomes_cpu_gloo_cuda_nccl():
-    from sat_patches.patches.distributed import process_group_backend
+    from sat_patches.runtime.distributed import process_group_backend
     assert process_group_backend("nccl") == "cpu:gloo,cuda:nccl"
 
 
 def broadcast_cpu_and_cuda_tensors():
     import torch.distributed as dist
-    from sat_patches.patches.distributed import process_group_backend
+    from sat_patches.runtime.distributed import process_group_backend
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(process_group_backend("nccl"))
     cpu = torch.full((4,), float(dist.get_rank()))

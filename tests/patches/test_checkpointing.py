@@ -58,7 +58,7 @@ def _run(tmp_path, patches, env=()):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
-    from sat_patches.patches.loading import find_checkpoint, read_model_config
+    from sat_patches.checkpoints.loading import find_checkpoint, read_model_config
     run, results = _run(tmp_path, patches=True)
     with open(os.path.join(run, "latest")) as f:
         assert f.read().strip() == "2"
@@ -78,7 +78,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
 @pytest.mark.multirank
 def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
     """Fails without the patch's effect: stock SAT points 'latest' at the half-written iteration."""
-    from sat_patches.patches.loading import CheckpointError, find_checkpoint
+    from sat_patches.checkpoints.loading import CheckpointError, find_checkpoint
     run, _ = _run(tmp_path, patches=["atomic_checkpoint_save"], env={"EMA_CHECK_SHIM": "1"})
     with open(os.path.join(run, "latest")) as f:
         assert f.read().strip() == "4"
@@ -89,8 +89,8 @@ def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
 def test_publish_replaces_existing_iteration_atomically(tmp_path):
     """Re-saving an existing iteration (SAT's final save) swaps the directory; latest written last."""
     import torch
-    from sat_patches.patches.checkpointing import publish
-    from sat_patches.patches.loading import find_checkpoint
+    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.loading import find_checkpoint
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     for d, value in ((save / "4", 1.0), (staged / "4", 2.0)):
         d.mkdir(parents=True)
@@ -105,8 +105,8 @@ def test_publish_replaces_existing_iteration_atomically(tmp_path):
 
 def test_publish_refuses_incomplete_staging(tmp_path):
     import torch
-    from sat_patches.patches.checkpointing import publish
-    from sat_patches.patches.loading import CheckpointError
+    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.loading import CheckpointError
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
     torch.save({"module": {}}, staged / "4" / "mp_rank_01_model_states.pt")   # shard 0 missing
@@ -128,8 +128,8 @@ def test_publish_needs_every_shard_of_every_rank(tmp_path, lacking, message):
     cut short): nothing is published, the previous checkpoint stays the one 'latest' names."""
     import json
     import torch
-    from sat_patches.patches.checkpointing import publish
-    from sat_patches.patches.loading import CheckpointError
+    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.loading import CheckpointError
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
     files = [f"mp_rank_{m:02d}_model_states.pt" for m in range(2)] + \
@@ -152,7 +152,7 @@ def test_publish_needs_every_shard_of_every_rank(tmp_path, lacking, message):
 
 def test_every_staged_file_and_directory_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
     import torch
-    from sat_patches.patches.checkpointing import publish
+    from sat_patches.checkpoints.publish import publish
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):

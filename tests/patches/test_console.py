@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from sat_patches.patches import console
+from sat_patches.diagnostics import console
 from sat_patches.testing import patches_removed
 
 
@@ -21,7 +21,7 @@ def sat_log():
     logging.getLogger("sat").addHandler(handler)
     yield lines
     logging.getLogger("sat").removeHandler(handler)
-    console._Run.directory = console._Run.iteration = None
+    console.CurrentRun.directory = console.CurrentRun.iteration = None
 
 
 def _args(tmp_path):

@@ -67,7 +67,7 @@ def construction_report(device="meta"):
     import torch.distributed as dist
     from sat import mpu
     import sat_patches
-    from sat_patches.patches import devices
+    from sat_patches.runtime import devices
     from sat_patches.testing import patches_removed
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
@@ -127,7 +127,7 @@ def test_without_the_patch_parameters_land_on_cpu(report, patch, scenario):
 
 
 def test_build_on_keeps_explicit_accelerator_devices_and_integer_dtypes():
-    from sat_patches.patches.construction import build_on
+    from sat_patches.runtime.construction import build_on
     with build_on("meta", torch.bfloat16):
         floats = torch.empty(3, device=torch.device("cpu"))
         ints = torch.zeros(3, dtype=torch.long)

@@ -7,7 +7,8 @@ import os
 import pytest
 
 import sat_patches
-from sat_patches.patches.deepspeed_setup import DeepSpeedConfigError, _lint_before_deepspeed, lint_deepspeed_config
+from sat_patches.runtime.deepspeed_config import DeepSpeedConfigError, lint_deepspeed_config
+from sat_patches.patches.deepspeed_setup import _lint_before_deepspeed
 
 # upstream THUDM/CogVLM finetune_demo/test_config_bf16.json (offload_optimizer at the top level)
 UPSTREAM_BF16 = {
@@ -27,7 +28,7 @@ def lint(config, **kw):
 @pytest.fixture
 def cuda_rank():
     """The device policy of a GPU rank (the lint only asks for the device type)."""
-    from sat_patches.patches import devices
+    from sat_patches.runtime import devices
     with devices.use_device("cuda"):
         yield
 

@@ -73,7 +73,7 @@ def test_broadcast_data_on_cpu_ranks():
 def test_deepspeed_config_lint_fixes_sat_bundled_config():
     import sat
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
-    from sat_patches.patches.deepspeed_setup import lint_deepspeed_config
+    from sat_patches.runtime.deepspeed_config import lint_deepspeed_config
     path = os.path.join(os.path.dirname(sat.__file__), "training", "deepspeed_zero0.json")
     config = json.load(open(path))
     with pytest.raises(Exception, match="min_loss_scale"):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.patches import devices
-from sat_patches.patches.distributed import process_group_backend, training_device
+from sat_patches.runtime import devices
+from sat_patches.runtime.distributed import process_group_backend, training_device
 from sat_patches.testing import run_ranks, run_script
 from sat_patches.testing.fake_backend import register_cuda_only_backend
 

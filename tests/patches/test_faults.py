@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sat_patches.patches import hangs
+from sat_patches.diagnostics import watchdog as hangs
 
 HERE = os.path.abspath(__file__)
 HEARTBEAT = 3
@@ -73,7 +73,7 @@ def test_heartbeat_names_silent_peer_and_ignores_finished_one():
     training_main, one that never started (still preprocessing) and beating ones are not."""
     import datetime
     import torch.distributed as dist
-    from sat_patches.patches.faults import Heartbeat
+    from sat_patches.diagnostics.heartbeat import Heartbeat
     from sat_patches.testing import free_port
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=5))
     me, finished, silent, _never_started = (Heartbeat(store, r, 4, timeout=0.5) for r in range(4))

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from sat_patches.patches import hangs
+from sat_patches.diagnostics import watchdog as hangs
 from sat_patches.testing import patches_removed, run_ranks
 
 TIMEOUT = 4

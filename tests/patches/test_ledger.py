@@ -5,9 +5,10 @@ import re
 
 import pytest
 
-from sat_patches.patches import ledger
-from sat_patches.tools import ledger_files
-from sat_patches.tools import plan
+from sat_patches.diagnostics import ledger
+from sat_patches.patches import ledger as ledger_patches
+from sat_patches.diagnostics import ledger_files
+from sat_patches.planning import estimator as plan
 from sat_patches.testing import run_ranks, run_script
 
 SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
@@ -200,7 +201,7 @@ def test_each_ledger_patch_records_its_phase_and_not_without_it(tmp_path):
     expected = {"ledger_start": "start", "ledger_build": "build", "ledger_lora": "lora", "ledger_load": "load",
                 "ledger_from_pretrained": "load", "ledger_split_rank0": "split", "ledger_split_receive": "split",
                 "ledger_deepspeed_init": "deepspeed_init", "ledger_train_step": "first_step"}
-    assert set(r.result) == {p.name for p in ledger.PATCHES}
+    assert set(r.result) == {p.name for p in ledger_patches.PATCHES}
     for name, phase in expected.items():
         with_patch, without = r.result[name]
         assert phase in with_patch and phase not in without, (name, r.result[name])

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from sat_patches.patches import loading
-from sat_patches.patches.loading import Checkpoint, CheckpointError, ShardedSource
+from sat_patches.checkpoints import loading
+from sat_patches.checkpoints.loading import Checkpoint, CheckpointError, ShardedSource
 from sat_patches.checkpoints.sharding import Split, release_pages
 from sat_patches.checkpoints.state import load_state, meta_tensors
 from sat_patches.testing.mappings import first_read, in_file, smaps_bytes
@@ -191,7 +191,7 @@ class _Shared(torch.nn.Module):
 
 
 def test_meta_model_materialises_with_ties_shared_modules_and_attributes(tmp_path):
-    from sat_patches.patches.construction import build_on
+    from sat_patches.runtime.construction import build_on
     real = _Shared()
     with torch.no_grad():
         for p in real.parameters():
@@ -219,7 +219,7 @@ def test_shared_experiment_start_is_a_patch_that_unpatch_restores():
     import datetime
     import sat.training.deepspeed_training as training
     import sat_patches
-    from sat_patches.patches.loading import SharedStartClock
+    from sat_patches.checkpoints.loading import SharedStartClock
     row = {r["name"]: r for r in sat_patches.status()}["shared_experiment_start"]
     assert row["status"] == "applied" and row["target"] == "sat.training.deepspeed_training:datetime"
     assert "THUDM/CogVLM#269" in row["answers"]

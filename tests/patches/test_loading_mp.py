@@ -54,7 +54,7 @@ def _logits(model):
 def _expected(ref, mp, rank):
     """Rank ``rank``'s MP=``mp`` state: SAT's own partition(), LoRA layers by sat_patches.patches.lora's split."""
     from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from sat_patches.patches.lora import split_lora_state_dict
+    from lora_state import split_lora_state_dict
     state = dict(ref.state_dict())
     for name, module in ref.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):

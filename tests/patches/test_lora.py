@@ -7,7 +7,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import sat_patches
-from sat_patches.patches import devices, lora
+from sat_patches.runtime import devices
+import lora_state
+from sat_patches.lora import layer as lora_layer, qlora
 from sat_patches.testing import patches_removed
 
 LORA_PATCHES = ("lora_linear", "lora_replace", "lora_merge", "lora_reinit")
@@ -174,7 +176,7 @@ def _largest_temporaries():
 
 
 def test_injection_and_merge_allocate_no_large_temporaries(monkeypatch):
-    monkeypatch.setattr(lora, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(lora_layer, "CHUNK_BYTES", CHUNK)
     inject, largest_lora, merge = _largest_temporaries()
     assert inject <= largest_lora  # only A and B themselves
     assert merge <= CHUNK
@@ -291,11 +293,11 @@ def test_qlora_inject_train_step_and_merge():
     dense = layer.attention.dense
     with torch.no_grad():
         unmerged = logits(model, ids)  # also repacks NF4 weights (bitsandbytes' CPU inference path)
-        expected = lora.dequantize_nf4(dense.original) + dense.matrix_B[0] @ dense.matrix_A[0] * dense.scaling
+        expected = qlora.dequantize_nf4(dense.original) + dense.matrix_B[0] @ dense.matrix_A[0] * dense.scaling
         model.get_mixin("lora").merge_lora()
         merged = logits(model, ids)
     assert isinstance(layer.attention.dense, Linear4bit) and layer.attention.dense.bias is None
-    err = (lora.dequantize_nf4(layer.attention.dense) - expected).norm() / expected.norm()
+    err = (qlora.dequantize_nf4(layer.attention.dense) - expected).norm() / expected.norm()
     assert err < 0.15, err  # NF4 requantisation error only (~0.09); without the product ~0.8
     assert (merged - unmerged).abs().max() < 0.1 * unmerged.abs().max()
 
@@ -326,13 +328,13 @@ def test_split_and_merge_lora_state_dicts_round_trip_and_match_sat_partition():
     torch.manual_seed(0)
     model = build(num_layers=1, lora_rank=4, num_multi_query_heads=2, hidden_size_per_attention_head=16)
     randomize_b(model)
-    layout = lora.lora_layout(model)
+    layout = lora_state.lora_layout(model)
     qkv = "transformer.layers.0.attention.query_key_value"
     assert layout[qkv] == ("column", [4, 2, 2]) and layout["transformer.layers.0.attention.dense"].kind == "row"
     sd = model.state_dict()
-    shards = lora.split_lora_state_dict(sd, model, 2)
+    shards = lora_state.split_lora_state_dict(sd, model, 2)
     assert set(shards[0]) == {k for k in sd if ".attention." in k}  # the LoRA layers' keys only
-    merged = lora.merge_lora_state_dicts(shards, layout)
+    merged = lora_state.merge_lora_state_dicts(shards, layout)
     assert set(merged) == set(shards[0]) and all(torch.equal(merged[k], sd[k]) for k in merged)
 
     base = model.transformer.layers[0].attention.query_key_value.original
@@ -347,12 +349,12 @@ def test_split_and_merge_lora_state_dicts_round_trip_and_match_sat_partition():
     assert shards[0][dense + ".matrix_A.0"].shape == (4, 32) and shards[0][dense + ".matrix_B.0"].shape == (64, 4)
 
     adapters_only = {k: v for k, v in sd.items() if "matrix_" in k}
-    assert set(lora.split_lora_state_dict(adapters_only, layout, 2)[1]) == set(adapters_only)
+    assert set(lora_state.split_lora_state_dict(adapters_only, layout, 2)[1]) == set(adapters_only)
     with pytest.raises(ValueError, match="quant_state"):
-        lora.split_lora_state_dict({qkv + ".original.quant_state": torch.zeros(1)}, layout, 2)
+        lora_state.split_lora_state_dict({qkv + ".original.quant_state": torch.zeros(1)}, layout, 2)
 
 
 def test_layout_reads_stock_lora_models_too():
     with patches_removed(*LORA_PATCHES):
         stock = build(num_layers=1, lora_rank=4)
-    assert lora.lora_layout(stock) == lora.lora_layout(build(num_layers=1, lora_rank=4))
+    assert lora_state.lora_layout(stock) == lora_state.lora_layout(build(num_layers=1, lora_rank=4))

@@ -28,7 +28,7 @@ def _step(model, ids):
 def _shard_for(full, state_dict, layout, mp, rank):
     """The MP=``mp`` state dict of ``rank``: LoRA layers by our helper, the rest by SAT's partition()."""
     from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from sat_patches.patches.lora import split_lora_state_dict
+    from lora_state import split_lora_state_dict
     shard = split_lora_state_dict(state_dict, layout, mp)[rank]
     helper_vs_sat = 0.0
     for name, module in full.named_modules():
@@ -49,7 +49,8 @@ def _compare_models():
     import torch
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.patches.lora import COLUMN, ROW, lora_layout, merge_lora_state_dicts
+    from sat_patches.lora.layer import COLUMN, ROW
+    from lora_state import lora_layout, merge_lora_state_dicts
 
     ids = batch()
     mpu.initialize_model_parallel(1)
@@ -93,7 +94,7 @@ def _compare_layers():
     import torch
     from sat import mpu
     from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
-    from sat_patches.patches.lora import lora_layout, split_lora_state_dict
+    from lora_state import lora_layout, split_lora_state_dict
     from sat.model.finetune.lora2 import replace_linear_with_lora
 
     def pair():

@@ -10,7 +10,7 @@ import traceback
 
 import pytest
 
-from sat_patches.patches import preprocess
+from sat_patches.runtime import preprocess
 from sat_patches.testing import run_ranks
 
 PATCH = "preprocess_rank0_first"
@@ -26,7 +26,7 @@ def load_data(scenarios, heartbeat=None):
     make_loaders raised here (message and traceback) and how long the call took."""
     import sat
     import torch.distributed as dist
-    from sat_patches.patches import faults
+    from sat_patches.diagnostics import heartbeat as faults
     from sat_patches.testing import tiny_lora
 
     args = sat.get_args(list(tiny_lora.DEFAULT_ARGS))
@@ -150,7 +150,7 @@ def test_patch_applied_on_the_name_training_main_calls():
     import sat.data_utils
     import sat.training.deepspeed_training as deepspeed_training
     import sat_patches
-    from sat_patches.patches import hangs
+    from sat_patches.diagnostics import watchdog as hangs
     from sat_patches.core.registry import REGISTRY
     from sat_patches.testing import patches_removed
 

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from sat_patches.patches.progress import CURVE_CSV, CURVE_PNG, progress_line
+from sat_patches.diagnostics.progress import CURVE_CSV, CURVE_PNG, progress_line
 from sat_patches.testing import patches_removed
 
 

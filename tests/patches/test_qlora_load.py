@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-from sat_patches.patches import lora
+import lora_state
+from sat_patches.lora import layer as lora_layer
+from sat_patches.lora import qlora as qlora_lib
 from sat_patches.testing import expert_llama as el
 from sat_patches.testing.mappings import in_file
 
@@ -34,7 +36,7 @@ def held_bytes(model) -> int:
 def load(path, cfg, qlora, monkeypatch):
     """Upstream's sequence up to from_pretrained; the peak of ``held_bytes`` while it loads."""
     peaks = [0]
-    streaming = lora.nf4_as_loaded
+    streaming = qlora_lib.nf4_as_loaded
 
     def sampled(model, args):
         inner = streaming(model, args)
@@ -44,7 +46,7 @@ def load(path, cfg, qlora, monkeypatch):
             if inner:
                 inner(module, prefix)
         return after
-    monkeypatch.setattr(lora, "nf4_as_loaded", sampled)
+    monkeypatch.setattr(qlora_lib, "nf4_as_loaded", sampled)
     args = el.build_args(cfg)
     args.use_qlora, args.device = qlora, "cpu"
     model, _ = el.model_class().from_pretrained(path, args)
@@ -64,8 +66,8 @@ def checkpoint(tmp_path_factory):
 def test_linears_are_nf4_as_loaded_and_the_peak_is_nf4_plus_one_layer(checkpoint, monkeypatch):
     path, cfg, float_bytes = checkpoint
     model, peak = load(path, cfg, True, monkeypatch)
-    linears = [m for root in lora.qlora_base(model) for m in root.modules() if isinstance(m, lora.FLOAT_LINEARS)]
-    assert linears and all(lora._is_nf4(m) for m in linears)  # before any LoRA was added
+    linears = [m for root in qlora_lib.qlora_base(model) for m in root.modules() if isinstance(m, qlora_lib.FLOAT_LINEARS)]
+    assert linears and all(lora_layer._is_nf4(m) for m in linears)  # before any LoRA was added
     layer_float = float_bytes - held_bytes(el.model_class()(el.build_args(dict(cfg, num_layers=5))))
     assert peak <= held_bytes(model) + 1.05 * layer_float, (peak, held_bytes(model), layer_float)
     assert peak / float_bytes <= 0.5, peak / float_bytes
@@ -89,9 +91,9 @@ def test_lora_wraps_the_nf4_bases_as_they_are_and_the_model_trains(checkpoint, m
     from sat.model.finetune.lora2 import LoraMixin
     path, cfg, _ = checkpoint
     model, _ = load(path, cfg, True, monkeypatch)
-    bases = {id(m) for m in model.transformer.modules() if lora._is_nf4(m)}
+    bases = {id(m) for m in model.transformer.modules() if lora_layer._is_nf4(m)}
     model.add_mixin("lora", LoraMixin(cfg["num_layers"], 4, qlora=True), reinit=True)
-    wrapped = [m for m in model.transformer.modules() if lora.is_lora_layer(m)]
+    wrapped = [m for m in model.transformer.modules() if lora_state.is_lora_layer(m)]
     assert wrapped and all(id(m.original) in bases for m in wrapped)  # no second quantisation
     trainable = [p for n, p in model.named_parameters() if "matrix_" in n]
     for p in model.parameters():
@@ -114,11 +116,11 @@ def test_lora_wraps_the_nf4_bases_as_they_are_and_the_model_trains(checkpoint, m
 
 def test_mp2_with_nf4_is_refused_before_loading(monkeypatch):
     import argparse
-    monkeypatch.setattr(lora, "get_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(qlora_lib, "get_model_parallel_world_size", lambda: 2)
     model = torch.nn.Module()
     model.transformer = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="use MP_SIZE=1"):
-        lora.nf4_as_loaded(model, argparse.Namespace(use_qlora=True))
+        qlora_lib.nf4_as_loaded(model, argparse.Namespace(use_qlora=True))
 
 
 def test_cpu_quantisation_gives_bitsandbytes_bits_a_bounded_chunk_at_a_time(monkeypatch):
@@ -135,8 +137,8 @@ def test_cpu_quantisation_gives_bitsandbytes_bits_a_bounded_chunk_at_a_time(monk
             seen.append(A.numel())
             return op.default(A, *args)
     monkeypatch.setattr(torch.ops.bitsandbytes, "quantize_4bit", Counting)
-    monkeypatch.setattr(lora, "CPU_QUANTIZE_CHUNK", 4096)
-    layer = lora.nf4_linear(weight, None)
+    monkeypatch.setattr(qlora_lib, "CPU_QUANTIZE_CHUNK", 4096)
+    layer = qlora_lib.nf4_linear(weight, None)
     assert len(seen) == 15 and max(seen) == 4096, seen
     got = layer.weight
     assert torch.equal(got.data, expected)

@@ -234,7 +234,7 @@ def test_resume_refuses_an_iteration_missing_one_ranks_optimizer_shard(tmp_path)
     import types
     import torch
     from sat_patches.checkpoints.files import CheckpointError
-    from sat_patches.patches import resume
+    from sat_patches.checkpoints import resume
     names = [str(tmp_path / f"bf16_zero_pp_rank_{d}_mp_rank_00_optim_states.pt") for d in range(2)]
     torch.save({}, names[0])
     engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(dp_process_group=None),

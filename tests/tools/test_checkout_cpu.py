@@ -53,7 +53,7 @@ def test_fake_checkout_has_upstreams_layout(tmp_path):
 
 def test_tiny_config_has_the_released_keys_and_upstreams_eva_width():
     from sat_patches.cogvlm import UPSTREAM_CONFIGS
-    from sat_patches.tools.checkout_cpu import tiny_config
+    from sat_patches.runner.checkout_cpu import tiny_config
     for kind, released in (("cogvlm", "cogvlm-base-490"), ("cogagent", "cogagent-chat")):
         config = tiny_config(kind)
         assert list(config) == list(UPSTREAM_CONFIGS[released])
@@ -68,7 +68,7 @@ def test_tiny_checkpoint_is_built_with_the_checkouts_classes(tmp_path):
     checkout = write_fake_checkout(str(tmp_path / "CogVLM"))
     probe = f"""
 import json, os, sys, torch
-from sat_patches.tools.checkout_cpu import build_tiny_checkpoint, tiny_config
+from sat_patches.runner.checkout_cpu import build_tiny_checkpoint, tiny_config
 info = build_tiny_checkpoint({checkout!r}, "cogvlm", {str(tmp_path / 'model')!r})
 assert info["class"] == "utils.models.cogvlm_model.CogVLMModel", info
 state = torch.load({str(tmp_path / 'model' / '1' / 'mp_rank_00_model_states.pt')!r})["module"]
@@ -128,7 +128,7 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
     work = str(tmp_path / "sat_patches_demo" / f"checkout-{kind}")
     lines = [l for l in out.stdout.splitlines() if l.startswith("+ ")]
     assert lines[0] == f"+ cd {work}"
-    assert f"-m sat_patches.tools.checkout_cpu prepare --checkout {checkout} --kind {kind} --workdir {work}" in lines[1]
+    assert f"-m sat_patches.runner.checkout_cpu prepare --checkout {checkout} --kind {kind} --workdir {work}" in lines[1]
     train = lines[2]
     assert "-m torch.distributed.run --nproc-per-node 2" in train
     assert f"-m sat_patches.launch {checkout}/finetune_demo/finetune_{kind}_demo.py " in train
@@ -136,7 +136,7 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
                    f"--train-data {work}/data/train", "--train-iters 4", "--use_lora", "configs/cpu_demo.json"):
         assert option in train
     assert "--checkpoint-activations" not in train
-    assert f"-m sat_patches.tools.checkout_cpu verify --checkout {checkout} --kind {kind} --workdir {work} --mp 2" \
+    assert f"-m sat_patches.runner.checkout_cpu verify --checkout {checkout} --kind {kind} --workdir {work} --mp 2" \
         in lines[3]
     assert not os.path.exists(work)  # a dry run makes nothing
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from sat_patches.tools import doctor
-from sat_patches.tools.doctor import FAIL, INFO, OK, WARN, Facts
+from sat_patches.cli import doctor
+from sat_patches.cli.doctor import FAIL, INFO, OK, WARN, Facts
 
 A100 = {"name": "NVIDIA A100-SXM4-80GB", "memory_gb": 85.1, "driver": "535.104.05"}
 V3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_gb": 25.4, "driver": "535.104.05"}
@@ -121,7 +121,7 @@ def test_host_memory_against_the_plan_for_the_model():
 
 
 def test_doctor_on_this_machine_one_screen_json_and_exit_status(capsys, monkeypatch, tmp_path):
-    from sat_patches.tools.cli import main
+    from sat_patches.cli.main import main
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert main(["doctor"]) == 0

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sat_patches.tools import plan
+from sat_patches.planning import estimator as plan
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
@@ -76,7 +76,7 @@ def test_upstream_requirement_cogagent_lora_about_8x24GB():
 
 @pytest.mark.parametrize("name", ["cogvlm-base-490", "cogagent-chat"])
 def test_one_24GB_gpu_gets_qlora_and_its_settings(name):
-    from sat_patches.tools.cli import main
+    from sat_patches.cli.main import main
     best = _best(name, 1, 24, host=32)
     assert best.estimate.setup.qlora and best.estimate.setup.mp == 1 and best.estimate.per_gpu <= 24e9
     assert plan.script_settings(best.estimate.setup)["QLORA"] == "1"
@@ -115,7 +115,7 @@ def test_mp_sizes_divide_gpus_and_every_head_count():
 
 
 def test_recommended_deepspeed_config_puts_offload_where_deepspeed_reads_it():
-    from sat_patches.patches.deepspeed_setup import lint_deepspeed_config
+    from sat_patches.runtime.deepspeed_config import lint_deepspeed_config
     s = plan.Setup(gpus=8, mp=2, zero=2, offload=True, micro_batch=2)
     config = plan.deepspeed_config(s)
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -124,7 +124,7 @@ def test_recommended_deepspeed_config_puts_offload_where_deepspeed_reads_it():
 
 
 def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
-    from sat_patches.tools.cli import main
+    from sat_patches.cli.main import main
     assert main(["plan", "--model", "cogvlm-base-490", "--gpus", "8", "--gpu-mem", "24", "--host-mem", "256"]) == 0
     out = capsys.readouterr().out
     assert "17.64 B parameters" in out and "recommended: MP_SIZE=2" in out

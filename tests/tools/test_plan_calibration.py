@@ -8,7 +8,7 @@ import torch
 from sat_patches.cogvlm.shapes import upstream_config
 from sat_patches.testing.layer_bytes import layer_bytes, planned_layer_bytes
 from sat_patches.testing.live_bytes import LiveBytes, head_and_loss_peak
-from sat_patches.tools import plan
+from sat_patches.planning import estimator as plan
 
 
 def test_the_counter_sees_new_storages_until_they_are_freed_and_not_views_or_older_tensors():

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from sat_patches.tools import plan
+from sat_patches.planning import estimator as plan
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 MODELS = {"CogVLM": "cogvlm-base-490", "CogAgent": "cogagent-chat"}

@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from sat_patches.tools import scripts
-from sat_patches.tools.cli import main
+from sat_patches.cli import scripts
+from sat_patches.cli.main import main
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "finetune_examples")
@@ -33,7 +33,7 @@ def test_writes_executable_scripts_and_keeps_a_users_own_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])
 def test_script_defaults_are_the_runners(kind):
-    from sat_patches.tools.finetune_run import KIND_DEFAULTS
+    from sat_patches.runner.finetune_run import KIND_DEFAULTS
     text = scripts.script_text(kind)
     assert f"export MODEL_KIND={kind}\n" in text
     assert f"MODEL_TYPE={KIND_DEFAULTS[kind]['MODEL_TYPE']} " in text

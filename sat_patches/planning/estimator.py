@@ -31,12 +31,10 @@ whole model (CogVLM issues 283 and 320, "kill -9").
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -541,112 +539,3 @@ def default_seq_len(config: dict) -> int:
     if not e:
         return 512
     return DEMO_MAX_LENGTH.get(e.get("image_size", [490])[0], config.get("image_length", 256) + 144)
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:6.1f}"
-
-
-def describe(config: dict) -> str:
-    parts = model_parts(config)
-    return ", ".join(f"{p.name} {p.total / 1e9:.2f} B" for p in parts if not p.buffer)
-
-
-def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Option], args) -> str:
-    first = opts[0].estimate if opts else None
-    s0 = first.setup if first else None
-    lines = [f"sat-patches plan: {name} on {args.nodes} node(s) x {args.gpus} GPU(s) x {args.gpu_mem:g} GB"
-             + (f", host {args.host_mem:g} GB per node" if args.host_mem else "")]
-    if first:
-        base = parameter_count(config)
-        lines.append(f"model: {base / 1e9:.2f} B parameters ({describe(config)}); LoRA rank {s0.lora_rank} adds "
-                     f"{(first.params - base) / 1e6:.1f} M; trainable {first.trainable / 1e6:.1f} M "
-                     f"({'LoRA' if s0.train == 'lora' else 'LoRA + upstream demo set'}), {s0.dtype}, "
-                     f"max_length {s0.seq_len}, {'' if s0.checkpoint_activations else 'no '}activation checkpointing")
-    lines.append(" MP  ZeRO  offload  micro-batch  GB/GPU  host GB/node  stock-SAT host GB/node")
-    groups = {}
-    for o in opts:
-        s = o.estimate.setup
-        groups.setdefault((s.qlora, s.mp, s.zero, s.offload), []).append(o)
-    bf16_fits = any(o.viable for o in opts if not o.estimate.setup.qlora)
-    qlora_fits = [o for o in opts if o.viable and o.estimate.setup.qlora]
-    headed = False
-    for (qlora, mp, zero, off), group in sorted(groups.items()):
-        if qlora and bf16_fits:
-            continue  # one screen: the QLoRA rows where nothing else fits, else one line below
-        if qlora and not headed:
-            lines.append("QLoRA (NF4 base, LoRA on the language model; EVA, embeddings and LM head in bf16):")
-            headed = True
-        fitting = [o for o in group if o.viable]
-        o = max(fitting, key=lambda o: o.estimate.setup.micro_batch) if fitting else min(
-            group, key=lambda o: o.estimate.setup.micro_batch)
-        e = o.estimate
-        verdict = "ok" if o.viable else f"no: {o.reason}"
-        lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  {_gb(e.per_gpu)}"
-                     f"  {_gb(e.host_node):>12}  {_gb(e.host_stock_node):>22}  {verdict}")
-    if bf16_fits and qlora_fits:
-        q = min(qlora_fits, key=_preference).estimate
-        lines.append(f"QLoRA (QLORA=1) fits too: {q.per_gpu / GB:.1f} GB per GPU at MP_SIZE=1, micro-batch "
-                     f"{q.setup.micro_batch} (an NF4 base; --json lists its rows)")
-    if best is None:
-        lines.append("recommendation: nothing fits. Add GPUs (a larger MP_SIZE divides the weights), use cards "
-                     "with more memory, or train fewer parameters (--train lora, a smaller --max-length).")
-        return "\n".join(lines)
-    s, e = best.estimate.setup, best.estimate
-    env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
-    lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
-              f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
-              f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
-              f"node with sat_patches (stock SwissArmyTransformer 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
-              f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"
-              f" --max_length {s.seq_len}" + (" --checkpoint-activations --vit_checkpoint_activations"
-                                                if s.checkpoint_activations else ""),
-              "DeepSpeed config (--deepspeed_config): " + json.dumps(deepspeed_config(s))]
-    return "\n".join(lines)
-
-
-def cmd_plan(args) -> int:
-    config = resolve_model(args.model)
-    fields = dict(dtype=args.dtype, seq_len=args.max_length or default_seq_len(config), lora_rank=args.lora_rank,
-                  train=args.train, checkpoint_activations=not args.no_checkpoint_activations)
-    opts = options(config, args.gpus, args.gpu_mem, args.host_mem, nodes=args.nodes, zero=args.zero,
-                   offload=None if args.offload is None else args.offload == "cpu", micro_batch=args.micro_batch,
-                   **fields)
-    best = recommend(opts)
-    if args.json:
-        print(json.dumps({"model": args.model, "options": [dict(o.estimate.as_dict(), viable=o.viable, reason=o.reason)
-                                                           for o in opts],
-                          "recommended": None if best is None else dict(
-                              best.estimate.as_dict(), script=script_settings(best.estimate.setup),
-                              deepspeed_config=deepspeed_config(best.estimate.setup))}, indent=1))
-    else:
-        print(format_plan(args.model, config, opts, best, args))
-    return 0 if best else 1
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="memory per GPU and host for each MP/ZeRO/offload/micro-batch, and a recommendation")
-    p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)}, or a checkpoint dir / model_config.json")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu-mem", type=float, required=True, help="GB per GPU (e.g. 24, 80)")
-    p.add_argument("--host-mem", type=float, default=None, help="GB of host RAM per node")
-    p.add_argument("--lora-rank", type=int, default=10)
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=None, help="only this ZeRO stage")
-    p.add_argument("--offload", choices=["none", "cpu"], default=None, help="only this optimizer placement")
-    p.add_argument("--micro-batch", type=int, default=None, help="only this micro-batch per GPU")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per sample incl. image tokens (upstream --max_length)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--train", choices=["lora", "demo"], default="lora",
-                   help="lora: LoRA matrices only; demo: what upstream's finetune_demo trains besides LoRA")
-    p.add_argument("--no-checkpoint-activations", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_plan)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="sat-patches")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["plan", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

@@ -2,14 +2,14 @@
 
 A wheel carries only the package, so the scripts are written from here rather than copied from a
 checkout of sat_patches; ``finetune_examples/`` in the repository holds the same text (a test keeps
-them equal). The settings and their defaults are :mod:`sat_patches.tools.finetune_run`'s.
+them equal). The settings and their defaults are :mod:`sat_patches.runner.finetune_run`'s.
 """
 from __future__ import annotations
 
 import os
 from typing import Dict, List
 
-from .finetune_run import DEFAULTS, KIND_DEFAULTS
+from ..runner.finetune_run import DEFAULTS, KIND_DEFAULTS
 
 KINDS = {"cogvlm": "CogVLM", "cogagent": "CogAgent"}
 SHARED = ("NUM_GPUS_PER_WORKER", "MP_SIZE", "NNODES", "HOST_FILE", "MICRO_BATCH", "DS_CONFIG")
@@ -33,7 +33,7 @@ TEMPLATE = """#!/usr/bin/env bash
 # CPU_RANKS=2 runs the checkout's own demo on 2 CPU ranks: a smoke test before paying for GPUs.
 # Example, 2 GPUs with model parallelism:  NUM_GPUS_PER_WORKER=2 MP_SIZE=2 bash finetune_{kind}.sh
 export MODEL_KIND={kind}
-SCRIPT_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)" exec python -m sat_patches.tools.finetune_run "$@"
+SCRIPT_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)" exec python -m sat_patches.runner.finetune_run "$@"
 """
 
 

@@ -1,4 +1,4 @@
-"""``sat-patches report RUN_DIR``: draw the memory ledger of a run as a PNG, one line per rank.
+"""Charts of a run: the memory ledger (one line per rank) and the loss curve, as PNGs.
 
 Host RSS over time on top; CUDA max allocated underneath when the run used CUDA. Each rank's
 phases (build, load, lora, deepspeed_init, first_step) are marked on its line. Needs matplotlib
@@ -81,21 +81,3 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
-
-
-def summary(rows: List[ledger_files.Row], run_dir: str) -> str:
-    return ledger_files.format_table(ledger_files.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
-
-
-def cmd_report(args) -> int:
-    path = draw(args.run_dir, args.out)
-    print(summary(ledger_files.read(args.run_dir), args.run_dir))
-    print(f"wrote {path}")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="draw a run's memory ledger (memory over time per rank) as a PNG")
-    p.add_argument("run_dir", help="the run directory holding memory_ledger_files.csv")
-    p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger_files.PNG_NAME})")
-    p.set_defaults(func=cmd_report)

@@ -7,29 +7,12 @@ this module imports neither torch nor SAT: ``status`` (which applies the patches
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-
-def cmd_status(args) -> int:
-    import sat_patches
-    with imports_print_to_stderr():
-        rows = sat_patches.status()
-    print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))
-    return 0 if all(r["status"] in ("applied", "not needed", "disabled") for r in rows) else 1
-
-
-def _status_parser(sub):
-    p = sub.add_parser("status", help="which patches are applied, skipped or disabled, and why")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_status)
-
-
-from . import doctor, plan, report, scripts  # noqa: E402
-from .output import imports_print_to_stderr  # noqa: E402
+from . import doctor, plan, report, scripts, status
 
 # (name, function that adds the subparser)
-COMMANDS = [("status", _status_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
+COMMANDS = [("status", status.add_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
             ("report", report.add_parser), ("scripts", scripts.add_parser)]
 
 

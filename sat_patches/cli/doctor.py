@@ -445,7 +445,7 @@ def run(facts: Facts) -> List[Check]:
 
 def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optional[float]) -> None:
     """Fill ``host_needed_gb`` from the plan ``sat-patches plan`` would recommend."""
-    from . import plan
+    from ..planning import estimator as plan
     gpus = gpus or len(facts.gpus)
     gpu_mem = gpu_mem or (min(g["memory_gb"] for g in facts.gpus) if facts.gpus else None)
     if not gpus or not gpu_mem:

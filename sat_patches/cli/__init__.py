@@ -1,0 +1,1 @@
+"""The ``sat-patches`` command, one module per verb."""

@@ -1,0 +1,25 @@
+"""``sat-patches report RUN_DIR``: draw the memory ledger of a run as a PNG and print its last rows."""
+from __future__ import annotations
+
+from typing import List
+
+from ..diagnostics import ledger_files
+from ..diagnostics.charts import draw
+
+
+def summary(rows: List[ledger_files.Row], run_dir: str) -> str:
+    return ledger_files.format_table(ledger_files.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
+
+
+def cmd_report(args) -> int:
+    path = draw(args.run_dir, args.out)
+    print(summary(ledger_files.read(args.run_dir), args.run_dir))
+    print(f"wrote {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="draw a run's memory ledger (memory over time per rank) as a PNG")
+    p.add_argument("run_dir", help="the run directory holding memory_ledger_files.csv")
+    p.add_argument("--out", default=None, help=f"PNG path (default RUN_DIR/{ledger_files.PNG_NAME})")
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,20 @@
+"""``sat-patches status``: which patches are applied, skipped or disabled, and why; the order on shared targets."""
+from __future__ import annotations
+
+import json
+
+from .output import imports_print_to_stderr
+
+
+def cmd_status(args) -> int:
+    import sat_patches  # the status applies the patches, which imports SAT: only when this verb runs
+    with imports_print_to_stderr():
+        rows = sat_patches.status()
+    print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))
+    return 0 if all(r["status"] in ("applied", "not needed", "disabled") for r in rows) else 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("status", help="which patches are applied, skipped or disabled, and why")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)

@@ -1,0 +1,131 @@
+"""Dead ranks named: a heartbeat per rank in the process group's store.
+
+A rank SIGKILLed (host OOM, as in THUDM/CogVLM#283 and THUDM/CogVLM#320) leaves the others waiting in a
+collective for NCCL's/gloo's timeout (30 min by default), or failing with "Connection closed by peer"
+that names nobody. :class:`Heartbeat` (started by the patch ``rank_heartbeat`` on ``training_main``) is a
+thread per rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
+``timeout / 10`` s and watches every peer's counter. A peer silent for ``SAT_PATCHES_HEARTBEAT_TIMEOUT``
+seconds (default 300) makes this rank print "rank N stopped (no heartbeat for X s)", dump its stacks and
+exit with :data:`sat_patches.diagnostics.watchdog.EXIT_CODE` (through
+:func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
+answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main`` marks
+itself done, so a normal end is not mistaken for a death.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, Optional
+
+from ..core import settings
+from ..core.coordination import group_store
+from ..runtime.checks import BadInputError
+
+HEARTBEAT_ENV = "SAT_PATCHES_HEARTBEAT_TIMEOUT"
+
+
+PREFIX = "sat_patches/heartbeat/"
+
+
+def heartbeat_timeout() -> Optional[float]:
+    """Seconds of silence after which a peer is declared dead; None (off) when set to 0."""
+    try:
+        return settings.read(HEARTBEAT_ENV)
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
+
+
+class Heartbeat:
+    """This rank's beat and its view of every peer's."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float):
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.interval = max(0.05, min(5.0, timeout / 10))
+        self.seen: Dict[int, tuple] = {}      # peer -> (counter, monotonic time it last changed)
+        self.store_ok = time.monotonic()
+        self.reason: Optional[str] = None     # the first dead peer found (by either thread), kept
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sat_patches-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        self.store.add(f"{PREFIX}{self.rank}", 1)
+
+    def done(self) -> None:
+        self.stop.set()
+        try:
+            self.store.set(f"{PREFIX}{self.rank}/done", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def dead(self, silence: Optional[float] = None) -> Optional[str]:
+        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None. The first
+        answer is kept: once the store's host has exited too, the store cannot tell any more."""
+        if self.reason is None:
+            self.reason = self._dead(self.timeout if silence is None else silence)
+        return self.reason
+
+    def _dead(self, silence: float) -> Optional[str]:
+        now = time.monotonic()
+        try:
+            for peer in range(self.world):
+                if peer == self.rank:
+                    continue
+                if self.store.check([f"{PREFIX}{peer}/done"]):
+                    continue
+                count = self.store.add(f"{PREFIX}{peer}", 0)
+                if count == 0:
+                    continue  # not started yet (still preprocessing/loading): hangs.py's timeouts cover it
+                last = self.seen.get(peer)
+                if last is None or last[0] != count:
+                    self.seen[peer] = (count, now)
+                elif now - last[1] > silence:
+                    return f"rank {peer} stopped (no heartbeat for {now - last[1]:.0f} s; {HEARTBEAT_ENV}={self.timeout:g})"
+            self.store_ok = now
+        except Exception as exc:  # noqa: BLE001  (the store's host is gone)
+            if now - self.store_ok > silence:
+                return (f"rank 0 stopped (no heartbeat for {now - self.store_ok:.0f} s: the store it hosts is "
+                        f"unreachable, {type(exc).__name__}; {HEARTBEAT_ENV}={self.timeout:g})")
+        return None
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001
+                pass
+            reason = self.dead()
+            if reason and not self.stop.is_set():
+                self.fire(reason)
+
+    def fire(self, reason: str) -> None:
+        """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
+        dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
+        from . import watchdog as hangs
+        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=hangs.in_collective())
+
+    def wait_for_dead(self) -> Optional[str]:
+        """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
+        dead; wait at most that long (+ one beat) to name it."""
+        silence = min(self.timeout, 3 * self.interval)
+        deadline = time.monotonic() + silence + 2 * self.interval
+        while time.monotonic() < deadline:
+            reason = self.dead(silence)
+            if reason:
+                return reason
+            time.sleep(self.interval)
+        return None
+
+
+_heartbeat: Optional[Heartbeat] = None
+
+
+def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
+    global _heartbeat
+    import torch.distributed as dist
+    timeout = heartbeat_timeout() if timeout is None else timeout
+    if _heartbeat is not None or timeout is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return _heartbeat
+    _heartbeat = Heartbeat(group_store(), dist.get_rank(), dist.get_world_size(), timeout)
+    _heartbeat.beat()
+    _heartbeat.thread.start()
+    return _heartbeat

@@ -1,0 +1,104 @@
+"""The memory ledger: each rank's host RSS and CUDA memory at each phase of a run, the per-rank table rank 0
+prints and writes into the run directory (:mod:`sat_patches.diagnostics.ledger_files`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+import torch
+
+from ..core import settings
+from .ledger_files import RANK_CSV, MiB, Row, append, flagged, format_table, host_memory, latest_per_rank, write
+
+
+def cuda_memory() -> Dict[str, float]:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    c = torch.cuda
+    return {"cuda_alloc_mib": c.memory_allocated() / MiB, "cuda_max_alloc_mib": c.max_memory_allocated() / MiB,
+            "cuda_reserved_mib": c.memory_reserved() / MiB, "cuda_max_reserved_mib": c.max_memory_reserved() / MiB}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def enabled() -> bool:
+    return settings.read("SAT_PATCHES_LEDGER")
+
+
+class Ledger:
+    """One per process: rows recorded here, gathered to rank 0 at :meth:`flush`."""
+
+    def __init__(self):
+        self.start = time.time()
+        self.rows: List[Row] = []          # this rank's rows
+        self.pending: List[Row] = []       # not yet gathered
+        self.table: List[Row] = []         # rank 0: every rank's gathered rows
+        self.steps = 0
+        self._depth = threading.local()
+
+    def record(self, phase: str, iteration: int = 0) -> Row:
+        now = time.time()
+        row = Row(rank=_rank(), phase=phase, iteration=iteration, time=now, elapsed=now - self.start,
+                  **host_memory(), **cuda_memory())
+        self.rows.append(row)
+        self.pending.append(row)
+        early = settings.read("SAT_PATCHES_LEDGER_DIR")
+        if early:  # each rank's own file, written at once: kept when the run dies before the first step
+            append(os.path.join(early, RANK_CSV.format(rank=row.rank)), [row], fresh=len(self.rows) == 1)
+        return row
+
+    @contextlib.contextmanager
+    def phase(self, name: str, once: bool = False):
+        """Record ``name`` when the outermost such block of this thread ends (nested builds count
+        once); with ``once``, only the first time."""
+        depth = getattr(self._depth, name, 0)
+        setattr(self._depth, name, depth + 1)
+        try:
+            yield
+        finally:
+            setattr(self._depth, name, depth)
+        if depth == 0 and enabled() and not (once and any(r.phase == name for r in self.rows)):
+            self.record(name)  # only when the call returned
+
+    def gather(self) -> List[Row]:
+        """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
+        import torch.distributed as dist
+        mine, self.pending = [asdict(r) for r in self.pending], []
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [Row(**r) for r in mine]
+        boxes = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, boxes, dst=0)  # torch picks the group's object device (CUDA for NCCL)
+        return [Row(**r) for box in (boxes or []) for r in box]
+
+    def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
+        """Gather; on rank 0 append to the run directory's files, and print the table the first time
+        and whenever a rank stands far above the others (the files keep every interval)."""
+        new = self.gather()
+        if _rank() != 0:
+            return new
+        first = not self.table
+        self.table.extend(new)
+        if run_dir:
+            write(run_dir, new, self.table, fresh=first)
+        flags = flagged(self.table)
+        if first or flags["host"] or flags["cuda"]:
+            shown = new if first else latest_per_rank(new)
+            print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
+        return new
+
+
+LEDGER = Ledger()
+
+
+def run_directory(args=None) -> Optional[str]:
+    return settings.read("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None

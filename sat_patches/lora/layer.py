@@ -1,0 +1,239 @@
+"""LoRA layers for SwissArmyTransformer (``sat/model/finetune/lora2.py``): by reference, on the right device,
+correct under model parallelism; merged in place.
+
+* The base layer object is kept (same Parameter, zero bytes copied) and ``matrix_A/B`` are created on the
+  base weight's device and dtype (the policy's compute device when the base is still on meta). A is
+  kaiming-uniform (a=sqrt(5)), B zeros, as upstream and peft.
+* Under model parallelism the layout follows the base layer: column-parallel: A replicated, B split with
+  the base rows; row-parallel: A split with the base columns and ``x @ A^T`` all-reduced, B replicated;
+  plain ``nn.Linear``: both replicated, no collective. ``model_parallel``/``tensor_model_parallel`` are set
+  on exactly the split factors (SAT's parameter sync, DeepSpeed's gradient norm).
+* :meth:`LoraLinear.merge` (and :func:`merge_linear_lora`) adds ``B @ A`` to the base weight in place, in
+  row chunks of at most :data:`CHUNK_BYTES`, and returns the base layer itself (its own type, device,
+  parallel semantics, bias or none); an NF4 base is dequantised, summed and quantised again
+  (:mod:`sat_patches.lora.qlora`).
+
+State-dict keys are stock SAT's (``...original.weight``, ``...matrix_A.0``, ``...matrix_B.0``): stock LoRA
+checkpoints load, and what is saved here loads into stock SAT. :func:`is_adapter` is the one rule for
+"is this parameter a LoRA factor".
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+from sat.mpu import mappings
+from sat.mpu.initialize import get_model_parallel_world_size
+from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
+from ..core import settings
+from ..runtime import devices
+from .qlora import dequantize_nf4, nf4_linear, quantize_nf4
+
+CHUNK_BYTES = int(settings.read("SAT_PATCHES_LORA_CHUNK_MB") * 2**20)
+"""Largest temporary (bytes) of a LoRA merge; ``SAT_PATCHES_LORA_CHUNK_MB`` sets it (default 64)."""
+
+def full_shape(layer: nn.Module):
+    """(out_features, in_features) of ``layer`` over all model-parallel ranks."""
+    if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        return layer.output_size, layer.input_size
+    if _is_nf4(layer):  # its weight is packed
+        return layer.out_features, layer.in_features
+    return tuple(layer.weight.shape)
+
+
+def segment_sizes(rows: int, partition) -> List[int]:
+    """Row counts of the stacked outputs (e.g. Q, K, V) of a base layer with ``rows`` rows.
+
+    ``partition`` is SAT's: a count of equal parts (the attention ``stride``), or a list of ratios
+    (multi-query attention: heads, kv heads, kv heads).
+    """
+    ratios = [1] * partition if isinstance(partition, int) else list(partition)
+    if rows % sum(ratios):
+        raise ValueError(f"{rows} rows cannot be split in the ratios {ratios}")
+    return [rows // sum(ratios) * k for k in ratios]
+
+
+def _mark_split(param: nn.Parameter, split: bool) -> None:
+    # SAT syncs parameters by this flag; DeepSpeed counts gradient norms of unsplit ones once.
+    param.model_parallel = split
+    param.tensor_model_parallel = split
+
+
+def _beside(weight: torch.Tensor, *shape: int) -> torch.Tensor:
+    """An uninitialised tensor on ``weight``'s device and dtype; on the policy's compute device
+    when ``weight`` is still on meta (LoRA factors are in no base checkpoint to materialise them)."""
+    device = devices.compute_device()
+    if weight.device.type == "meta" and device.type != "meta":
+        return torch.empty(shape, dtype=weight.dtype, device=device)
+    return weight.new_empty(shape)
+
+
+def _is_nf4(layer: nn.Module) -> bool:
+    return getattr(getattr(layer, "weight", None), "quant_type", None) in ("nf4", "fp4")
+
+
+# --------------------------------------------------------------------------------------
+# The LoRA layer
+# --------------------------------------------------------------------------------------
+
+class LoraLinear(nn.Module):
+    """``original(x) + scaling * B(A(dropout(x)))``, with ``original`` kept by reference.
+
+    Same constructor as SAT's ``LoraLinear``; ``original_cls``, ``in_dim`` and ``out_dim`` are
+    accepted for compatibility, the base layer's own type and shape are what count. ``partition``
+    is the number (or the ratios) of stacked outputs of the base layer (3 for a fused QKV): each
+    gets its own A and B.
+    """
+
+    def __init__(self, original_cls, partition, in_dim, out_dim, r, lora_alpha=1., lora_dropout=0.,
+                 qlora=False, original_obj=None):
+        super().__init__()
+        if original_obj is None:
+            raise TypeError("LoraLinear needs the layer it wraps: original_obj=")
+        nf4_base = _is_nf4(original_obj)  # quantised as it was loaded (a QLoRA run): kept as it is
+        weight = original_obj.weight
+        if nf4_base:  # the LoRA factors' device and dtype: the base's compute dtype, not its packed bytes
+            weight = torch.empty(0, dtype=original_obj.compute_dtype, device=weight.device)
+        self.kind = parallel_kind(original_obj)
+        self.input_is_parallel = getattr(original_obj, "input_is_parallel", True)
+        self.gather_output = getattr(original_obj, "gather_output", False)
+        self.partition = partition
+        self.r, self.lora_alpha, self.scaling = r, lora_alpha, lora_alpha / r
+        self.fan_in = full_shape(original_obj)[1]
+        self.lora_dropout = nn.Dropout(p=lora_dropout) if lora_dropout else nn.Identity()
+        if qlora and self.kind != PLAIN and get_model_parallel_world_size() > 1:
+            raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 "
+                                      "base layer has no model-parallel forward")
+        self.original = quantize_nf4(original_obj) if qlora and not nf4_base else original_obj
+
+        out_features, in_features = full_shape(original_obj) if nf4_base else weight.shape  # this rank's slice
+        rows = segment_sizes(out_features, partition)
+        self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
+        self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
+        for factor in ("matrix_A", "matrix_B"):
+            split = lora_factor_split(self.kind, factor) is not None
+            for p in getattr(self, factor):
+                _mark_split(p, split)
+        self.reset_lora_parameters()
+        self.register_load_state_dict_post_hook(_plain_checkpoint_has_no_lora_keys)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """A: kaiming_uniform_(a=sqrt(5)) of the full (unsplit) A, i.e. U(+-1/sqrt(fan_in)); B: 0."""
+        bound = 1 / math.sqrt(self.fan_in)
+        for a in self.matrix_A:
+            a.uniform_(-bound, bound)
+        for b in self.matrix_B:
+            b.zero_()
+
+    def _lora(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        xa = x @ a.t()
+        if self.kind == ROW:  # x and A are this rank's slices: their products add up to x @ A^T
+            xa = mappings.reduce_from_model_parallel_region(xa)
+        elif self.kind == COLUMN:  # backward: dL/d(xA^T) sums over the output slices of all ranks
+            xa = mappings.copy_to_model_parallel_region(xa)
+        return xa @ b.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.original(x)
+        x = self.lora_dropout(x)
+        if self.kind == ROW and not self.input_is_parallel:
+            x = mappings.scatter_to_model_parallel_region(x)
+        lora = torch.cat([self._lora(x, a, b) for a, b in zip(self.matrix_A, self.matrix_B)], -1)
+        if self.kind == COLUMN and self.gather_output:
+            lora = mappings.gather_from_model_parallel_region(lora)
+        return out + lora * self.scaling
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if prefix + "weight" in state_dict:
+            # A checkpoint of the plain layer (taken before LoRA was added): it is the base layer's.
+            self.original._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                                missing_keys, unexpected_keys, error_msgs)
+            self._loaded_plain_at = prefix
+        else:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, partition={self.partition}, r={self.r}, scaling={self.scaling}"
+
+
+def _plain_checkpoint_has_no_lora_keys(module: LoraLinear, incompatible) -> None:
+    """After loading a plain-layer checkpoint, A/B keep their init and are not "missing" (as stock)."""
+    prefix = module.__dict__.pop("_loaded_plain_at", None)
+    if prefix is not None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(prefix)]
+
+
+def replace_linear_with_lora(lin, partition, r, *args, **kw_args):
+    """Wrap ``lin`` in a LoRA layer (``lin`` is kept, nothing is moved or copied).
+
+    ``in_size``/``out_size`` (SAT's reinit passes ``hidden_size``, wrong for ``attention.dense`` when
+    ``inner_hidden_size`` differs) are accepted and ignored: the layer's own full shape is used.
+    """
+    from sat.model.finetune import lora2
+    kw_args.pop("in_size", None)
+    kw_args.pop("out_size", None)
+    out_dim, in_dim = full_shape(lin)
+    return lora2.LoraLinear(type(lin), partition, in_dim, out_dim, r, *args, original_obj=lin, **kw_args)
+
+
+
+@torch.no_grad()
+def add_lora_product(weight: torch.Tensor, lin: nn.Module, chunk_bytes: Optional[int] = None) -> None:
+    """``weight[segment i] += scaling * B_i @ A_i`` in place, ``chunk_bytes`` of fp32 rows at a time.
+
+    As stock SAT's merge, the sum is formed in fp32 and then stored in the weight's dtype; the one
+    temporary of weight size is a chunk of those fp32 rows.
+    """
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows_per_chunk = max(1, chunk_bytes // (weight.shape[1] * 4))
+    offset = 0
+    for a, b in zip(lin.matrix_A, lin.matrix_B):
+        a = a.detach().float()
+        for start in range(0, b.shape[0], rows_per_chunk):
+            stop = min(start + rows_per_chunk, b.shape[0])
+            rows = weight[offset + start:offset + stop]
+            summed = rows.float() if rows.dtype != torch.float32 else rows
+            summed.addmm_(b[start:stop].detach().float(), a, alpha=lin.scaling)
+            if summed is not rows:
+                rows.copy_(summed)
+            del summed  # before the next chunk's is allocated
+        offset += b.shape[0]
+    if offset != weight.shape[0]:
+        raise ValueError(f"LoRA B has {offset} rows, the base weight {weight.shape[0]}")
+
+
+def merge_linear_lora(lin, chunk_bytes: Optional[int] = None):
+    """Fold the LoRA product into the base layer and return the base layer.
+
+    The base weight is updated in place (no temporary above ``chunk_bytes``); the returned layer is
+    the original object: ColumnParallelLinear/RowParallelLinear/nn.Linear on its own device, with its
+    bias or none. An NF4 base is dequantised, updated and quantised again (whole-tensor steps).
+    """
+    base = lin.original
+    if not _is_nf4(base):
+        add_lora_product(base.weight, lin, chunk_bytes)
+        return base
+    weight = dequantize_nf4(base)
+    add_lora_product(weight, lin, chunk_bytes)
+    return nf4_linear(weight, base.bias)
+
+
+
+ 
+def lora_targets(layer, cross_attention: bool):
+    """(owner, attribute, partition) of every linear layer LoRA wraps in a transformer layer."""
+    yield layer.attention, "dense", 1
+    yield layer.attention, "query_key_value", layer.attention.stride
+    if cross_attention and layer.is_decoder:
+        yield layer.cross_attention, "dense", 1
+        yield layer.cross_attention, "query", 1
+        yield layer.cross_attention, "key_value", 2
+
+

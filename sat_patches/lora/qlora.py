@@ -1,0 +1,149 @@
+"""QLoRA: bitsandbytes NF4 base layers under LoRA, quantised on their own device, one linear at a time.
+
+Stock ``LoraMixin(qlora=True)`` raised ``NameError: cannot access free variable 'dtype'`` and merging
+assumed a bias and dequantised NF4 with ``dequantize_fp4`` (THUDM/CogVLM#438, #257). Here the base is
+quantised to NF4 on its own device, the rest of the transformer's linears are quantised at once, and a
+merge dequantises with ``dequantize_4bit``, adds the product and quantises again.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from sat.mpu.initialize import get_model_parallel_world_size
+from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from ..core import settings
+
+# Elements quantised at a time on CPU: bitsandbytes' CPU ``quantize_4bit`` (pure torch) holds about 11 bytes of
+# temporaries per element of its input, over 100 MB for one LLaMA MLP weight.
+CPU_QUANTIZE_CHUNK = 2 ** 20
+
+
+def nf4_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
+    """A bitsandbytes ``LinearNF4`` holding ``weight`` quantised on its own device; ``bias`` by reference."""
+    from bitsandbytes.nn import LinearNF4, Params4bit
+    if weight.device.type == "meta":
+        raise ValueError("QLoRA quantises the base weights: load them before adding LoRA (they are on meta)")
+    out_features, in_features = weight.shape
+    layer = LinearNF4(in_features, out_features, bias=False, compute_dtype=weight.dtype, device="meta")
+    template = layer.weight
+    if weight.device.type == "cpu":
+        packed, state = quantize_nf4_in_chunks(weight.detach(), template.blocksize, template.quant_storage)
+        layer.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=template.blocksize,
+                                  compress_statistics=True, quant_type="nf4", quant_storage=template.quant_storage,
+                                  module=layer, bnb_quantized=True)
+        layer.quant_state = state
+    else:
+        layer.weight = Params4bit(weight.detach(), requires_grad=False, quant_type="nf4",
+                                  compress_statistics=template.compress_statistics,
+                                  quant_storage=template.quant_storage, module=layer).to(weight.device)
+    layer.bias = bias
+    return layer
+
+
+def quantize_nf4_in_chunks(weight: torch.Tensor, blocksize: int, storage: torch.dtype,
+                           chunk: Optional[int] = None):
+    """``bitsandbytes.functional.quantize_4bit(weight, blocksize, compress_statistics=True, quant_type="nf4")``,
+    bit for bit, with its temporaries bounded to ``chunk`` elements.
+
+    NF4 quantises every block of ``blocksize`` elements on its own (the block's absmax and its 4-bit
+    codes), so quantising whole blocks a chunk at a time gives the same codes and absmax. Only the
+    double quantisation of the absmax vector looks at all of it (its offset is the mean), and it runs
+    once on the whole, small vector, as bitsandbytes does.
+    """
+    import bitsandbytes.functional as bnbf
+    flat, chunk = weight.reshape(-1), chunk or CPU_QUANTIZE_CHUNK
+    step = max(blocksize, chunk - chunk % blocksize)
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), step):
+        codes, block_absmax = torch.ops.bitsandbytes.quantize_4bit.default(
+            flat[start:start + step], blocksize, "nf4", storage)
+        packed.append(codes)
+        absmax.append(block_absmax)
+    packed = torch.cat(packed) if len(packed) > 1 else packed[0]
+    absmax = torch.cat(absmax) if len(absmax) > 1 else absmax[0]
+    offset = absmax.mean()
+    quantised_absmax, state2 = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
+    return packed, bnbf.QuantState(absmax=quantised_absmax, shape=weight.shape, dtype=weight.dtype,
+                                   blocksize=blocksize, code=bnbf.get_4bit_type("nf4", device=weight.device),
+                                   quant_type="nf4", offset=offset, state2=state2)
+
+
+def quantize_nf4(layer: nn.Module) -> nn.Module:
+    return nf4_linear(layer.weight, layer.bias)
+
+
+def dequantize_nf4(layer: nn.Module) -> torch.Tensor:
+    """The float weight of an NF4/FP4 layer (``dequantize_4bit`` reads the type from the state)."""
+    import bitsandbytes.functional as bnbf
+    weight = layer.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        # bitsandbytes' CPU inference path repacked it; the inverse rewrites quant_state in place,
+        # so the data must be put back with it (as Params4bit.cuda() does)
+        unpacked = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        weight.data, weight.quant_state = unpacked
+    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+
+
+FLOAT_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+
+
+def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> None:
+    """Replace every float linear layer under ``module`` with an NF4 one, in place (QLoRA's base)."""
+    from bitsandbytes.nn import Linear4bit
+    done = {} if _done is None else _done  # id -> (old, new): a layer shared by two parents stays shared
+    for name, child in list(module.named_children()):
+        if id(child) in done:
+            setattr(module, name, done[id(child)][1])
+        elif isinstance(child, FLOAT_LINEARS) and not isinstance(child, Linear4bit):
+            done[id(child)] = (child, quantize_nf4(child))
+            setattr(module, name, done[id(child)][1])
+        else:
+            quantize_linears_nf4(child, done)
+
+
+def qlora_run(args) -> bool:
+    """A QLoRA run: upstream's ``--use_qlora``, or ``SAT_PATCHES_QLORA=1`` for scripts without it."""
+    return bool(getattr(args, "use_qlora", False)) or settings.read("SAT_PATCHES_QLORA")
+
+
+def qlora_base(model: nn.Module) -> List[nn.Module]:
+    """The parts of a model whose float linears QLoRA makes NF4: the transformer and the mixins that
+    extend it (CogVLM's vision experts, LLaMA's gate projections); not a mixin holding a model of its
+    own (CogVLM's EVA vision tower), not the adapters, and not the LM head (``lm``), which QLoRA keeps
+    in the run's dtype as it does the embeddings."""
+    from sat.model.base_model import BaseModel
+    roots = [model.transformer] if hasattr(model, "transformer") else []
+    for name, mixin in getattr(model, "mixins", {}).items():
+        if name not in ("lora", "lm") and not any(isinstance(m, BaseModel) for m in mixin.modules()):
+            roots.append(mixin)
+    return roots
+
+
+def nf4_as_loaded(model: nn.Module, args):
+    """For a QLoRA run, the loader's ``after`` callback that turns each float linear of
+    :func:`qlora_base` into NF4 on the compute device as soon as it is loaded, so the float model
+    never exists whole on the device: the peak is the NF4 model plus one linear in float
+    (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
+    wraps these NF4 bases as they are. None for other runs."""
+    if not qlora_run(args) or not hasattr(model, "transformer"):
+        return None
+    if get_model_parallel_world_size() > 1:
+        raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 base layer has no "
+                                  "model-parallel forward; use MP_SIZE=1 (QLoRA fits CogVLM on one 24 GB GPU)")
+    from bitsandbytes.nn import Linear4bit
+    inside = {id(m) for root in qlora_base(model) for m in root.modules()}
+    done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
+
+    def after(module, prefix):
+        if id(module) not in inside or not isinstance(module, FLOAT_LINEARS) or isinstance(module, Linear4bit):
+            return
+        parent, _, name = prefix.rstrip(".").rpartition(".")
+        if id(module) not in done:
+            done[id(module)] = quantize_nf4(module)
+        setattr(model.get_submodule(parent), name, done[id(module)])
+    return after
+
+

@@ -1,0 +1,275 @@
+"""The CPU smoke run of a CogVLM checkout: what it needs, made locally, and a check of what it made.
+
+    python -m sat_patches.runner.checkout_cpu prepare --checkout ROOT --kind cogvlm --workdir WORK
+    python -m sat_patches.runner.checkout_cpu verify  --checkout ROOT --kind cogvlm --workdir WORK --mp 2
+
+``prepare`` writes, under WORK:
+- ``model/``: a tiny checkpoint in SAT's layout (``model_config.json``, ``latest``,
+  ``1/mp_rank_00_model_states.pt``) built with the checkout's OWN ``utils.models`` classes (imported with
+  the checkout root on ``sys.path``, as its ``finetune_demo`` does), from a config with the released
+  config's keys and small values. The EVA width stays 1792 (upstream's image projector takes 1792
+  features whatever the config says) with few layers; the vocabulary is 1024 (SAT needs at least 1000
+  under model parallelism). Upstream builds its vision experts and gate projections without
+  initialising them, so every parameter of the vision-expert mixins is initialised here before saving.
+- ``tokenizer/``: a small sentencepiece LLaMA tokenizer (pad token ``<unk>``, as vicuna's).
+- ``data/train``, ``data/valid``: CAPTCHA images named ``<label>.jpg``.
+
+``verify`` checks what the demo left behind after training: the training checkpoint with one shard per
+model-parallel rank, and the demo's own merged checkpoint (``checkpoints/merged_lora_cog...``, written
+after ``merge_lora``) with the same shards; it joins the merged shards into one MP=1 checkpoint
+(``merged_mp1/``) and loads that into the checkout's class, strictly, and runs it on one validation image.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import glob
+import json
+import math
+import os
+import shutil
+import sys
+from typing import Dict, List
+
+import torch
+
+KINDS = ("cogvlm", "cogagent")
+MODEL_CLASS = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}
+RELEASED = {"cogvlm": "cogvlm-base-490", "cogagent": "cogagent-chat"}
+EVA_OUTPUT_WIDTH = 1792
+# the demo's merge-and-save target, relative to the directory it runs in
+MERGED = {"cogvlm": "checkpoints/merged_lora_cogvlm{image_size}", "cogagent": "checkpoints/merged_lora_cogagent"}
+# parameters upstream creates with skip_init=True (no initialisation): the vision-expert mixins
+UNINITIALISED_PREFIXES = ("mixins.mlp.", "mixins.rotary.")
+
+
+def tiny_config(kind: str) -> dict:
+    """The released ``model_config.json`` of ``kind`` (same keys, same order) with small values: LLaMA
+    2x128 (4 heads), vocabulary 1024, EVA 2 layers of width 1792 (16 heads) on 56 px images (16 image
+    tokens). CogAgent's cross encoder stays 1024 wide (upstream builds it from fixed settings, and its
+    cross attention takes 1024 features) with ``encoder_args`` asking for 2 layers, on 112 px cross images:
+    upstream's classes ignore ``encoder_args`` and build the released 24 layers (~300M parameters, all
+    trainable in its demo: about 10 GB per CPU rank), classes that honour it build a small one."""
+    from sat_patches.cogvlm import UPSTREAM_CONFIGS
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    config = copy.deepcopy(UPSTREAM_CONFIGS[RELEASED[kind]])
+    small = {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "vocab_size": 1024,
+             "max_sequence_length": 512, "inner_hidden_size": 256, "image_length": 16,
+             "tokenizer_type": "sat_patches-tiny-captcha"}
+    config.update({k: v for k, v in small.items() if k in config})
+    config["eva_args"].update(num_layers=2, hidden_size=EVA_OUTPUT_WIDTH, num_attention_heads=16,
+                              inner_hidden_size=512, image_size=[56, 56], max_sequence_length=17)
+    if kind == "cogagent":
+        config.update(is_decoder=[True] * config["num_layers"], cross_image_pix=112, encoder_args={"layers": 2})
+    return config
+
+
+@contextlib.contextmanager
+def checkout_on_path(checkout: str):
+    """The checkout root first on ``sys.path`` (its ``utils`` package), as its demos arrange it."""
+    root = os.path.abspath(checkout)
+    if not os.path.isfile(os.path.join(root, "utils", "models", "__init__.py")):
+        raise SystemExit(f"error: {root} has no utils/models/__init__.py: --checkout must be the root of a "
+                         f"CogVLM checkout (the directory that holds finetune_demo/ and utils/)")
+    sys.path.insert(0, root)
+    try:
+        yield root
+    finally:
+        sys.path.remove(root)
+
+
+def checkout_class(checkout: str, name: str):
+    """``utils.models.<name>`` of the checkout."""
+    with checkout_on_path(checkout):
+        import importlib
+        models = importlib.import_module("utils.models")
+    try:
+        return getattr(models, name)
+    except AttributeError:
+        raise SystemExit(f"error: {checkout}/utils/models does not define {name}") from None
+
+
+def _build_args(cls, config: dict, seed: int):
+    args = cls.get_args()
+    run = {"mode": "finetune", "fp16": False, "bf16": False, "device": "cpu", "seed": seed, "skip_init": False,
+           "use_gpu_initialization": False, "deepspeed": False, "world_size": 1, "rank": 0, "local_rank": 0,
+           "checkpoint_activations": False, "checkpoint_num_layers": 1, "hidden_dropout": 0.0,
+           "attention_dropout": 0.0, "model_parallel_size": 1}
+    for key, value in {**run, **copy.deepcopy(config)}.items():
+        setattr(args, key, value)
+    return args
+
+
+def _single_process():
+    from sat.arguments import _simple_init
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from sat_patches.core.ports import free_port
+            os.environ["MASTER_PORT"] = str(free_port())
+    _simple_init(model_parallel_size=1, seed=1)
+
+
+@torch.no_grad()
+def initialise_uninitialised(model, std: float = 0.02) -> List[str]:
+    """Give the parameters upstream leaves uninitialised (vision experts, gate projections) values:
+    weights N(0, std), vectors zero. Any other parameter that is not finite is an error."""
+    done = []
+    for name, p in model.named_parameters():
+        if name.startswith(UNINITIALISED_PREFIXES):
+            (p.normal_(0.0, std) if p.dim() >= 2 else p.zero_())
+            done.append(name)
+        elif not torch.isfinite(p).all():
+            raise RuntimeError(f"parameter {name} holds non-finite values after building the model")
+    return done
+
+
+def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234) -> dict:
+    """Build the tiny ``kind`` with the checkout's own class and save it under ``out_dir``."""
+    from sat_patches.cogvlm.config import CONFIG_FIELDS
+    config = tiny_config(kind)
+    cls = checkout_class(checkout, MODEL_CLASS[kind])
+    _single_process()
+    torch.manual_seed(seed)
+    model = cls(_build_args(cls, config, seed))
+    initialise_uninitialised(model)
+    os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    torch.save({"module": state, "iteration": 1}, os.path.join(out_dir, "1", "mp_rank_00_model_states.pt"))
+    with open(os.path.join(out_dir, "latest"), "w") as f:
+        f.write("1")
+    ordered = {k: config[k] for k in CONFIG_FIELDS if k in config}
+    ordered.update({k: v for k, v in config.items() if k not in ordered})
+    with open(os.path.join(out_dir, "model_config.json"), "w", encoding="utf-8") as f:
+        json.dump(ordered, f, indent=4)
+    return {"parameters": sum(v.numel() for v in state.values()), "class": f"{cls.__module__}.{cls.__name__}"}
+
+
+def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: int = 4, seed: int = 0) -> Dict[str, str]:
+    from sat_patches.cogvlm import check_vocab, llama2_tokenizer, make_captcha_dataset, train_tiny_tokenizer
+    paths = {"model": os.path.join(workdir, "model"), "tokenizer": os.path.join(workdir, "tokenizer"),
+             "train": os.path.join(workdir, "data", "train"), "valid": os.path.join(workdir, "data", "valid")}
+    # an earlier run's merge (perhaps at another MP_SIZE) would be checked instead of this run's
+    for old in [merged_dir(kind, workdir), os.path.join(workdir, "merged_mp1")]:
+        if os.path.isdir(old):
+            print(f"removing the previous run's {old}", flush=True)
+            shutil.rmtree(old)
+    train_tiny_tokenizer(paths["tokenizer"], seed=seed)
+    train = make_captcha_dataset(paths["train"], n_train, seed=seed)
+    labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
+    make_captcha_dataset(paths["valid"], n_valid, seed=seed + 1, exclude=labels)
+    config = tiny_config(kind)
+    check_vocab(llama2_tokenizer(paths["tokenizer"]), config["vocab_size"], config["pad_token_id"])
+    info = build_tiny_checkpoint(checkout, kind, paths["model"])
+    print(f"prepared for the CPU run of {kind}: tiny {info['class']} ({info['parameters'] / 1e6:.1f}M parameters) "
+          f"in {paths['model']}, tokenizer {paths['tokenizer']}, data {paths['train']} / {paths['valid']}", flush=True)
+    return paths
+
+
+# ----------------------------------------------------------------------------- verify
+def merged_dir(kind: str, workdir: str) -> str:
+    image_size = tiny_config(kind)["eva_args"]["image_size"][0]
+    return os.path.join(workdir, MERGED[kind].format(image_size=image_size))
+
+
+def _shards(directory: str) -> List[str]:
+    with open(os.path.join(directory, "latest")) as f:
+        tag = f.read().strip()
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, tag, "mp_rank_*_model_states.pt")))
+
+
+def _expect_shards(what: str, directory: str, mp: int) -> None:
+    if not os.path.isfile(os.path.join(directory, "latest")):
+        raise SystemExit(f"error: {what} is missing: no {directory}/latest")
+    want = [f"mp_rank_{r:02d}_model_states.pt" for r in range(mp)]
+    got = _shards(directory)
+    if got != want:
+        raise SystemExit(f"error: {what} {directory} holds {got}, expected one shard per model-parallel rank: {want}")
+
+
+def training_checkpoint(workdir: str) -> str:
+    runs = [d for d in glob.glob(os.path.join(workdir, "checkpoints", "*"))
+            if os.path.isfile(os.path.join(d, "latest")) and not os.path.basename(d).startswith("merged_lora_")]
+    if not runs:
+        raise SystemExit(f"error: training wrote no checkpoint under {workdir}/checkpoints")
+    return max(runs, key=os.path.getmtime)
+
+
+@torch.no_grad()
+def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base", max_length: int = 80) -> dict:
+    from sat_patches.merge import merge
+    from sat_patches.finetune import lm_loss, model_inputs
+    trained = training_checkpoint(workdir)
+    _expect_shards("the training checkpoint", trained, mp)
+    merged = merged_dir(kind, workdir)
+    _expect_shards("the demo's merged checkpoint", merged, mp)
+    with open(os.path.join(merged, "model_config.json")) as f:
+        config = json.load(f)
+    if config.get("use_lora"):
+        raise SystemExit(f"error: {merged}/model_config.json says use_lora: the demo saved before merging the LoRA")
+    single = os.path.join(workdir, "merged_mp1")
+    cls = checkout_class(checkout, config["model_class"])  # registers the checkout's classes first
+    with checkout_on_path(checkout):
+        info = merge(merged, single, overwrite=True, imports=("utils.models",))
+        if info["lora_layers"]:
+            raise SystemExit(f"error: {merged} still holds LoRA matrices ({info['lora_layers']} layers)")
+        _single_process()
+        # the run settings upstream's own inference demo passes (its ImageMixin reads them)
+        run = argparse.Namespace(deepspeed=None, local_rank=0, rank=0, world_size=1, model_parallel_size=1,
+                                 mode="inference", skip_init=True, use_gpu_initialization=False, device="cpu",
+                                 bf16=False, fp16=False)
+        model, args = cls.from_pretrained(single, run)
+        model.eval()
+        saved = torch.load(os.path.join(single, "1", "mp_rank_00_model_states.pt"), map_location="cpu",
+                           mmap=True, weights_only=True)["module"]
+        expected = set(model.state_dict())
+        if set(saved) != expected:
+            raise SystemExit(f"error: the merged checkpoint does not fit the checkout's {config['model_class']}: "
+                             f"missing {sorted(expected - set(saved))[:5]}, unexpected {sorted(set(saved) - expected)[:5]}")
+        import importlib
+        utils = importlib.import_module("utils.utils")
+        tokenizer = utils.llama2_tokenizer(os.path.join(workdir, "tokenizer"), signal_type=version)
+        image = utils.get_image_processor(args.eva_args["image_size"][0])
+        cross = utils.get_image_processor(args.cross_image_pix) if kind == "cogagent" else None
+        text = utils.llama2_text_processor(tokenizer, max_length, args.image_length)
+        dataset = utils.ItemDataset(image, text, args, os.path.join(workdir, "data", "valid"),
+                                    cross_image_processor=cross)
+    from sat_patches.cogvlm import data_collator
+    batch = data_collator([dataset[0]], cross_image_processor=cross)
+    loss = float(lm_loss(model, {**model_inputs(batch), "labels": batch["labels"]}))
+    if not math.isfinite(loss):
+        raise SystemExit(f"error: the merged model's loss on {dataset.data_dir} is {loss}")
+    print(f"training checkpoint: {trained} ({mp} shards)\n"
+          f"demo's merged checkpoint: {merged} ({mp} shards, LoRA merged)\n"
+          f"joined into {single}, loaded into the checkout's {config['model_class']}: loss {loss:.3f} on "
+          f"CAPTCHA '{batch['question_id']}'", flush=True)
+    return {"trained": trained, "merged": merged, "merged_mp1": single, "loss": loss}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sat_patches.runner.checkout_cpu", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("prepare", "verify"):
+        s = sub.add_parser(name)
+        s.add_argument("--checkout", required=True, help="root of the CogVLM checkout (holds finetune_demo/, utils/)")
+        s.add_argument("--kind", choices=KINDS, default="cogvlm")
+        s.add_argument("--workdir", required=True)
+        if name == "verify":
+            s.add_argument("--mp", type=int, required=True, help="model-parallel size of the run")
+            s.add_argument("--version", default="base")
+            s.add_argument("--max_length", type=int, default=80)
+    a = p.parse_args(argv)
+    workdir = os.path.abspath(a.workdir)
+    if a.command == "prepare":
+        prepare(a.checkout, a.kind, workdir)
+    else:
+        verify(a.checkout, a.kind, workdir, a.mp, a.version, a.max_length)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""What ``finetune_examples/finetune_cog{vlm,agent}.sh`` run, from their environment variables.
+
+Four modes, chosen in this order:
+- checkout, CPU ranks (the script sits in a CogVLM checkout's ``finetune_demo/`` and ``CPU_RANKS`` is
+  set): a smoke test of that checkout's own, unchanged demo before paying for GPUs. A tiny checkpoint
+  built with the checkout's ``utils.models`` classes, a local tokenizer and CAPTCHA images are made
+  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (torchrun,
+  gloo) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
+  merged model as upstream's demo does; then the shards are checked and the merged model is reloaded;
+- checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
+  options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
+- GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
+  ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
+- CPU demo (no GPU, or ``CPU_RANKS`` set): a tiny randomly initialised model of the same architecture
+  on generated CAPTCHA data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
+  and reloaded.
+
+``DRY_RUN=1`` prints the commands instead of running them.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+from .finetune_check import check, config_path, data_errors, visible_gpus
+from ..core.ports import free_port
+
+UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
+
+# upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
+DEFAULTS = {
+    "NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "1", "NNODES": "1", "HOST_FILE": "", "VERSION": "base",
+    "TOKENIZER": "lmsys/vicuna-7b-v1.5", "TRAIN_DATA": "./archive_split/train", "VALID_DATA": "./archive_split/valid",
+    "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
+    "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
+    "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
+    "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
+    "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
+    "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
+    "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
+    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches.evaluate)
+    "SAVE_ADAPTER_ONLY": "",  # 1: saves hold the LoRA adapters and name the base; 0: the whole model; empty: 1 when
+                              # only LoRA trains on a loaded base
+}
+KIND_DEFAULTS = {
+    "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
+    "cogagent": {"MODEL_TYPE": "cogagent-chat", "VERSION": "chat", "MAX_LENGTH": "400", "LORA_RANK": "50",
+                 "TRAIN_ITERS": "2000"},
+}
+# no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
+CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "120", "LORA_RANK": "4",
+                "EVALUATE": "1",
+                "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
+                "CHECKPOINT_ACTIVATIONS": "0"}
+# a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
+CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "EVALUATE": "0"}
+
+
+def settings(environ: Dict[str, str]) -> Dict[str, str]:
+    """The run's settings: the environment over the mode's defaults over upstream's."""
+    kind = environ.get("MODEL_KIND", "cogvlm")
+    if kind not in KIND_DEFAULTS:
+        raise SystemExit(f"error: MODEL_KIND={kind!r}: use cogvlm or cogagent")
+    env = {**DEFAULTS, **KIND_DEFAULTS[kind], "MODEL_KIND": kind}
+    run_mode = mode({**env, **environ})
+    if run_mode == "cpu":
+        env.update(CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}", WORK_DIR=os.path.abspath(f"sat_patches_demo/{kind}"))
+    elif run_mode == "checkout-cpu":
+        env.update(CHECKOUT_CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}",
+                   WORK_DIR=os.path.abspath(f"sat_patches_demo/checkout-{kind}"))
+    env.update({k: v for k, v in environ.items() if v != "" or k not in env})
+    if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
+        env["MP_SIZE"] = "1"  # an NF4 base: data parallelism only (the CPU runs' MP_SIZE=2 default does not apply)
+    if not env.get("TRAINABLE"):
+        env["TRAINABLE"] = "demo" if run_mode.startswith("checkout") else "lora"  # a checkout: its demo's choice
+    env["SAT_PATCHES_TRAINABLE"] = env["TRAINABLE"]  # read by the ranks (sat_patches.runtime.trainable)
+    env["SAT_PATCHES_SAVE_ADAPTER_ONLY"] = env["SAVE_ADAPTER_ONLY"]  # (sat_patches.checkpoints.adapter)
+    return env
+
+
+def gpu_memory_gb() -> Optional[float]:
+    """Memory of this node's smallest GPU (nvidia-smi), None where it cannot be read."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    sizes = [float(x) for x in out.stdout.split() if x.replace(".", "", 1).isdigit()]
+    return min(sizes) / 1024 if out.returncode == 0 and sizes else None
+
+
+def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
+    """The largest micro-batch ``sat-patches plan`` finds viable for this run on the detected GPUs."""
+    memory = gpu_memory_gb()
+    if memory is None:
+        return None
+    from ..planning import estimator as plan
+    try:
+        model = plan.resolve_model(env["MODEL_TYPE"])
+    except SystemExit:  # a model the plan does not know: keep the config's micro-batch
+        return None
+    zero = config.get("zero_optimization", {})
+    opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
+                        zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
+                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
+                        qlora=env.get("QLORA") == "1")
+    fits = [o.estimate.setup.micro_batch for o in opts if o.viable and o.estimate.setup.mp == int(env["MP_SIZE"])]
+    return max(fits) if fits else None
+
+
+def run_config(env: Dict[str, str], name: str, save_dir: str) -> str:
+    """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
+    ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's choice for the detected GPUs, else the
+    config's own) is written into a copy saved beside the run's checkpoints."""
+    source = config_path(name)
+    with open(source) as f:
+        config = json.load(f)
+    micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else planned_micro_batch(env, config)
+    if micro is None or micro == config.get("train_micro_batch_size_per_gpu"):
+        return source
+    config["train_micro_batch_size_per_gpu"] = micro
+    config.pop("train_batch_size", None)  # DeepSpeed derives it from the micro-batch and the world size
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.abspath(os.path.join(save_dir, f"{stem}.micro_batch{micro}.json"))
+    os.makedirs(save_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def cpu_ranks_set(env: Dict[str, str]) -> bool:
+    return env.get("CPU_RANKS") not in (None, "", "0")
+
+
+def mode(env: Dict[str, str]) -> str:
+    kind = env["MODEL_KIND"]
+    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])):
+        return "checkout-cpu" if cpu_ranks_set(env) else "checkout"
+    if cpu_ranks_set(env):
+        return "cpu"
+    return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
+
+
+def evaluation_dir(save_dir: str) -> str:
+    """Where ``EVALUATE=1`` writes ``predictions.jsonl`` and ``summary.json``."""
+    return os.path.join(save_dir, "evaluation")
+
+
+def train_options(env: Dict[str, str], **paths) -> List[str]:
+    """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in."""
+    opts = [
+        "--experiment-name", f"finetune-{os.path.basename(env['MODEL_TYPE'].rstrip('/'))}",
+        "--model-parallel-size", env["MP_SIZE"], "--mode", "finetune", "--train-iters", env["TRAIN_ITERS"],
+        "--resume-dataloader", "--from_pretrained", paths.get("model", env["MODEL_TYPE"]),
+        "--max_length", env["MAX_LENGTH"], "--lora_rank", env["LORA_RANK"],
+        "--use_qlora" if env.get("QLORA") == "1" else "--use_lora",  # upstream's demo takes one of the two
+        "--local_tokenizer", paths.get("tokenizer", env["TOKENIZER"]), "--version", env["VERSION"],
+        "--train-data", paths.get("train", env["TRAIN_DATA"]), "--valid-data", paths.get("valid", env["VALID_DATA"]),
+        "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",
+        "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
+        "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
+        "--split", "1.", "--deepspeed_config",
+        paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"])),
+        "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
+    ]
+    opts += resume_options(env)
+    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches.evaluate)
+        opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
+    if env.get("LAYER_RANGE"):
+        opts += ["--layer_range", *env["LAYER_RANGE"].split()]
+    if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":
+        opts += ["--checkpoint-activations", "--vit_checkpoint_activations"]
+    return opts + shlex.split(env.get("EXTRA_ARGS", ""))
+
+
+def resume_options(env: Dict[str, str]) -> List[str]:
+    """``RESUME=<run directory>`` continues that run exactly (``--mode pretrain --load``, which replaces
+    ``--mode finetune``: the later option wins); ``RESUME_ITERATION=N`` from its saved iteration N
+    (both checked by :func:`sat_patches.runner.finetune_check.resume_errors`)."""
+    if not env.get("RESUME"):
+        return []
+    iteration = env.get("RESUME_ITERATION", "")
+    return ["--mode", "pretrain", "--load", env["RESUME"]] + (["--iteration", iteration] if iteration else [])
+
+
+def deepspeed_command(env: Dict[str, str], program: List[str], options: List[str]) -> List[str]:
+    cmd = ["deepspeed", "--master_port", env["MASTER_PORT"]]
+    if env.get("HOST_FILE"):
+        cmd += ["--hostfile", env["HOST_FILE"]]
+    else:
+        cmd += ["--num_gpus", env["NUM_GPUS_PER_WORKER"]]
+    return cmd + ["--module", "sat_patches.launch", *program, *options]
+
+
+def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[str]]:
+    if checkout:
+        program = [os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])]
+    else:
+        program = ["-m", "sat_patches.finetune", "train", "--kind", kind]
+    return [deepspeed_command(env, program, train_options(env))]
+
+
+def torchrun() -> List[str]:
+    """torchrun of this interpreter: a ``torchrun`` on PATH may belong to another Python (and another
+    sat_patches) than the one running the script."""
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
+    work = env["WORK_DIR"]
+    py = sys.executable
+    # the CAPTCHAs as conversations in JSON Lines (sat_patches.cogvlm.tiny.write_captcha_conversations)
+    paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
+                 train=os.path.join(work, "data", "train.jsonl"), valid=os.path.join(work, "data", "valid.jsonl"),
+                 save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
+    options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
+    return [
+        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+         "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
+        [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
+        [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
+         "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
+         "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
+    ]
+
+
+def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
+    """Prepare (tiny checkpoint from the checkout's classes, tokenizer, data), train with the checkout's
+    demo on CPU ranks (it merges and saves at the end), then check the shards and reload the merge."""
+    work, py = env["WORK_DIR"], sys.executable
+    checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
+    save = os.path.join(work, "checkpoints")
+    paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
+                 train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"), save=save,
+                 ds_config=run_config(env, "cpu_demo.json", save))
+    where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
+    return [
+        [py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where],
+        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+         "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind]),
+         *train_options(env, **paths)],
+        [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
+         "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]],
+    ]
+
+
+def latest_checkpoint(save_dir: str) -> str:
+    runs = [d for d in glob.glob(os.path.join(save_dir, "*")) if os.path.isfile(os.path.join(d, "latest"))]
+    if not runs:
+        raise SystemExit(f"error: training wrote no checkpoint under {save_dir}")
+    return max(runs, key=os.path.getmtime)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__ + "\nSettings and upstream defaults:\n" + "\n".join(
+            f"  {k}={v}" for k, v in {**DEFAULTS, **KIND_DEFAULTS["cogvlm"]}.items()) +
+            "\nIn a CogVLM checkout with CPU_RANKS set (a CPU smoke test of its demo), the defaults are:\n" +
+            "\n".join(f"  {k}={v}" for k, v in {**CHECKOUT_CPU_DEFAULTS,
+                                                 "WORK_DIR": "./sat_patches_demo/checkout-<kind>"}.items()))
+        return 0
+    env = settings(dict(os.environ))
+    kind, run_mode = env["MODEL_KIND"], mode(env)
+    on_cpu = run_mode in ("cpu", "checkout-cpu")
+    env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
+    errors = check(env)
+    if not on_cpu and env.get("DRY_RUN") != "1":  # CPU runs generate their data; a dry run only prints
+        errors += data_errors(env)
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    cwd = None
+    if run_mode == "cpu":
+        commands = cpu_commands(env, kind)
+    elif run_mode == "checkout-cpu":
+        # the demo saves its merged model under ./checkpoints/: run it in the work directory
+        cwd = env["WORK_DIR"]
+        if env.get("DRY_RUN") != "1":
+            os.makedirs(cwd, exist_ok=True)
+        commands = checkout_cpu_commands(env, kind)
+    else:
+        commands = gpu_commands(env, kind, run_mode == "checkout")
+    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
+    run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+    run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
+    if on_cpu:
+        run_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks even where GPUs are visible (CPU_RANKS set)
+    print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
+          flush=True)
+    if cwd:
+        print(f"+ cd {shlex.quote(cwd)}", flush=True)
+    for cmd in commands:
+        if "{checkpoint}" in cmd:
+            cmd = [latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
+                   for c in cmd] if env.get("DRY_RUN") != "1" else cmd
+        print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+        if env.get("DRY_RUN") == "1":
+            continue
+        code = subprocess.call(cmd, env=run_env, cwd=cwd)
+        if code != 0:
+            print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
+            return code
+    if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
+        from ..evaluate import read_summary, summary_line
+        out = evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
+        if os.path.isfile(os.path.join(out, "summary.json")):
+            summary = read_summary(out)
+            print(summary_line(summary, summary["data"]), flush=True)
+        else:  # rank 0 wrote it on another node's disk
+            print(f"evaluation: written by rank 0 into {out} on its node", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

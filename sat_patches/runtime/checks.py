@@ -1,0 +1,68 @@
+"""Arguments that cannot work, refused before the model is built with a message that says what to change.
+
+* :func:`check_lora_args` -- LoRA rank <= 0, ``layer_range`` outside the model's layers, ``--use_qlora``
+  without a working ``bitsandbytes``. Call it right after argument parsing (it reads ``num_layers``
+  from the ``model_config.json`` of ``--from_pretrained`` when given a directory). The patch
+  ``lora_args_check`` runs the same check in ``LoraMixin.__init__`` for scripts that do not call it
+  (upstream's ``finetune_cogvlm_demo.py``): there it stops before any LoRA layer is allocated.
+  Stock SAT takes ``r=0`` to a ``ZeroDivisionError`` (``lora_alpha / r``), a negative rank to a
+  failed ``torch.empty``, and an out-of-range layer index silently adds no LoRA to it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+
+class BadInputError(ValueError):
+    """An argument that cannot work; the message says what to change."""
+
+
+def bitsandbytes_problem() -> Optional[str]:
+    """None when ``bitsandbytes`` with ``LinearNF4`` imports, else why not."""
+    try:
+        from bitsandbytes.nn import LinearNF4  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (ImportError, OSError of a missing CUDA binary, ...)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _num_layers_of(from_pretrained: Optional[str]) -> Optional[int]:
+    if from_pretrained and os.path.isdir(from_pretrained):
+        from ..checkpoints.files import read_model_config
+        return int(read_model_config(from_pretrained)["num_layers"])
+    return None
+
+
+def check_lora_args(lora_rank: Optional[int] = None, layer_range: Optional[Sequence[int]] = None,
+                    num_layers: Optional[int] = None, use_qlora: bool = False,
+                    from_pretrained: Optional[str] = None, what: str = "LoRA") -> None:
+    """Raise :class:`BadInputError` for a LoRA set-up that cannot work."""
+    if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank <= 0):
+        raise BadInputError(f"{what} rank {lora_rank!r} must be a positive integer: pass e.g. --lora_rank 8")
+    if num_layers is None:
+        num_layers = _num_layers_of(from_pretrained)
+    if layer_range is not None:
+        layers = list(layer_range)
+        if not layers:
+            raise BadInputError(f"{what} layer_range is empty: pass layer indices, e.g. --layer_range 0 1 2, "
+                                f"or leave it out for every layer")
+        if num_layers is not None:
+            bad = sorted({i for i in layers if not (0 <= int(i) < num_layers)})
+            if bad:
+                raise BadInputError(f"{what} layer_range has layer(s) {bad} outside the model's {num_layers} layers: "
+                                    f"use indices 0..{num_layers - 1} (e.g. --layer_range 0 {min(15, num_layers - 1)})")
+    if use_qlora:
+        problem = bitsandbytes_problem()
+        if problem:
+            raise BadInputError(f"--use_qlora needs a working bitsandbytes (`from bitsandbytes.nn import LinearNF4` "
+                                f"fails: {problem}): install it (pip install bitsandbytes) or drop --use_qlora")
+
+
+def check_finetune_args(args) -> None:
+    """:func:`check_lora_args` on a parsed CogVLM/CogAgent finetune namespace (``--lora_rank``,
+    ``--layer_range``, ``--use_qlora``, ``--from_pretrained``); for demos to call before building."""
+    if getattr(args, "use_lora", False) or getattr(args, "use_qlora", False):
+        check_lora_args(getattr(args, "lora_rank", None), getattr(args, "layer_range", None),
+                        use_qlora=getattr(args, "use_qlora", False),
+                        from_pretrained=getattr(args, "from_pretrained", None))

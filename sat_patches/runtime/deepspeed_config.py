@@ -1,0 +1,113 @@
+"""DeepSpeed configs checked before DeepSpeed reads them: values DeepSpeed 0.19 rejects, offload blocks in
+the wrong place, batch sizes that do not divide.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+from ..core.registry import SatPatchesWarning
+from . import devices
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed config that cannot be fixed safely; the message says what to change."""
+
+
+def lint_deepspeed_config(config: dict, world_size: Optional[int] = None, model_parallel_size: int = 1,
+                          batch_size: Optional[int] = None) -> dict:
+    """Fix with a warning, or refuse with :class:`DeepSpeedConfigError`, what a DeepSpeed config gets
+    wrong in ways DeepSpeed rejects or silently ignores:
+
+    - ``fp16.min_loss_scale`` must be an integer (SAT's bundled configs say 0.01): fixed.
+    - ``offload_optimizer`` / ``offload_param`` at the top level are ignored by DeepSpeed (upstream's
+      ``test_config_bf16.json``, SAT's ``deepspeed_zero2.json``): on CUDA ranks moved into
+      ``zero_optimization`` when its stage supports them (1+ / 3), refused otherwise; on CPU ranks
+      dropped (nothing to offload to).
+    - ``train_batch_size`` must equal micro-batch x gradient accumulation x data-parallel ranks
+      (``world_size / model_parallel_size``), and SAT's loader feeds ``batch_size`` per rank:
+      a missing micro-batch is set to it, an inconsistent set of numbers is refused.
+    - On a rank without CUDA, Adam/AdamW runs as ``torch.optim`` (``torch_adam``) instead of a
+      FusedAdam/CPU-Adam that DeepSpeed compiles with g++ on first use (~45 s).
+    """
+    _min_loss_scale(config)
+    for key, stage in (("offload_optimizer", 1), ("offload_param", 3)):
+        _place_offload(config, key, stage)
+    _batch_sizes(config, world_size, model_parallel_size, batch_size)
+    optimizer = config.get("optimizer") or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer")
+    if (devices.compute_device().type != "cuda" and not offload
+            and str(optimizer.get("type", "")).lower() in ("adam", "adamw")):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return config
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"DeepSpeed config: {message}", SatPatchesWarning, stacklevel=4)
+
+
+def _min_loss_scale(config: dict) -> None:
+    fp16 = config.get("fp16") or {}
+    scale = fp16.get("min_loss_scale")
+    if scale is not None and not isinstance(scale, int):
+        fixed = max(1, int(scale))
+        _warn(f"fp16.min_loss_scale={scale!r} is not an integer (DeepSpeed rejects it); using {fixed}")
+        fp16["min_loss_scale"] = fixed
+
+
+def _place_offload(config: dict, key: str, needs_stage: int) -> None:
+    if key not in config:
+        return
+    zero = config.get("zero_optimization")
+    stage = int((zero or {}).get("stage", 0))
+    if zero is not None and key in zero:
+        _warn(f"a top-level '{key}' is ignored by DeepSpeed and zero_optimization.{key} is already set "
+              f"({zero[key]}); dropping the top-level one ({config[key]})")
+        del config[key]
+    elif devices.compute_device().type != "cuda":
+        _warn(f"'{key}' is at the top level, where DeepSpeed ignores it; dropped: on CPU ranks offloading to "
+              f"the CPU changes nothing (and would compile DeepSpeed's CPU Adam)")
+        del config[key]
+    elif stage >= needs_stage:
+        zero[key] = config.pop(key)
+        _warn(f"'{key}' was at the top level, where DeepSpeed ignores it; moved into zero_optimization "
+              f"(stage {stage}), where it takes effect: {zero[key]} (its states now live in host memory)")
+    else:
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config: '{key}' is at the top level, where DeepSpeed ignores it; it belongs in "
+            f"zero_optimization and takes effect from ZeRO stage {needs_stage} (this config: stage {stage}). "
+            f"Set zero_optimization.stage to {2 if needs_stage == 1 else 3} and move the "
+            f"'{key}' block into zero_optimization, or delete it.")
+
+
+def _batch_sizes(config: dict, world_size: Optional[int], mp: int, batch_size: Optional[int]) -> None:
+    names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    for name in names:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DeepSpeedConfigError(f"DeepSpeed config: {name}={value!r} must be a positive integer.")
+    if not world_size:
+        return
+    mp = mp or 1
+    if world_size % mp:
+        raise DeepSpeedConfigError(
+            f"model-parallel size {mp} does not divide the {world_size} ranks: set MP_SIZE (--model-parallel-size) "
+            f"to one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}, or change the GPU count.")
+    dp = world_size // mp
+    micro, accumulation, total = (config.get(n) for n in names)
+    if micro is None and batch_size:
+        config["train_micro_batch_size_per_gpu"] = micro = batch_size
+        _warn(f"no train_micro_batch_size_per_gpu; SAT's data loader gives each rank {batch_size} samples "
+              f"(--batch-size), so that is the micro-batch")
+    if total is None or micro is None:
+        return
+    expected = micro * (accumulation or 1) * dp
+    if accumulation is None and total % (micro * dp) == 0:
+        return  # DeepSpeed derives gradient_accumulation_steps = total / (micro x dp)
+    if total != expected:
+        fits = f"{total // (micro * dp)}" if total % (micro * dp) == 0 else None
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config: train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accumulation or 1} x {dp} data-parallel rank(s) ({world_size} ranks / "
+            f"model-parallel size {mp}) = {expected}. Delete train_batch_size (DeepSpeed derives it) or set it "
+            f"to {expected}" + (f", or set gradient_accumulation_steps to {fits}." if fits else "."))

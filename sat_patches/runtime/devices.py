@@ -1,0 +1,79 @@
+"""The device policy: where a rank's new tensors belong (``cuda:<LOCAL_RANK>``, else ``cpu``), the device its
+collectives use, and a CUDA synchronize only where the device is CUDA. Tests (or ``SAT_PATCHES_DEVICE=meta``)
+point it elsewhere with :func:`use_device` to prove that allocations follow it instead of a hard-coded device.
+A ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from ..core import settings
+
+_override: Optional[torch.device] = None
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def compute_device() -> torch.device:
+    """Where new tensors of this rank belong."""
+    if _override is not None:
+        return _override
+    env = settings.read("SAT_PATCHES_DEVICE")
+    if env:
+        return torch.device(env)
+    if cuda_available():
+        count = torch.cuda.device_count()
+        if local_rank() >= count:  # a modulo would silently put two ranks on one GPU
+            raise RuntimeError(f"sat_patches: LOCAL_RANK={local_rank()} but {describe()}: this node runs more ranks "
+                               f"than it has GPUs. Lower the GPUs per node (NUM_GPUS_PER_WORKER / --nproc-per-node) "
+                               f"to {count}, or make more GPUs visible.")
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def describe() -> str:
+    """What this rank sees, for messages: host, CUDA devices, CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    count = torch.cuda.device_count() if cuda_available() else 0
+    return f"host {socket.gethostname()} sees {count} CUDA device(s) (CUDA_VISIBLE_DEVICES {shown})"
+
+
+def sat_device_arg():
+    """The value SAT keeps in ``args.device``: an int CUDA index, or a device string."""
+    dev = compute_device()
+    return dev.index if dev.type == "cuda" else dev.type
+
+
+def communication_device() -> torch.device:
+    """Device for tensors handed to collectives: the compute device, or CPU when that is meta."""
+    dev = compute_device()
+    return torch.device("cpu") if dev.type == "meta" else dev
+
+
+@contextlib.contextmanager
+def use_device(device):
+    """Point the policy at ``device`` (e.g. ``"meta"``) inside the block."""
+    global _override
+    previous, _override = _override, torch.device(device)
+    try:
+        yield _override
+    finally:
+        _override = previous
+
+
+def synchronize() -> None:
+    """``torch.cuda.synchronize`` only where the compute device is CUDA."""
+    if compute_device().type == "cuda":
+        torch.cuda.synchronize()
