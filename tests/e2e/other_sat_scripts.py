@@ -3,6 +3,7 @@
 * :class:`FineTuneChatGLM2`: SAT's ChatGLM2 LoRA fine-tune pattern: a ``ChatGLM2Model`` subclass that adds
   ``LoraMixin`` in its constructor (``LoraMixin(qlora=True)`` with ``--use_qlora``, as VisualGLM-6B's script
   does), loaded with ``from_pretrained(path, args)`` and no ``overwrite_args``, trained by ``training_main``.
+* :class:`LoraCogVLM`: a CogVLM fine-tune class that adds LoRA in its constructor.
 * :func:`write_base`: a released-style base checkpoint (plain ``ChatGLM2Model``, saved at model-parallel size 1).
 
 Run on ranks with :func:`main` (``run_ranks(other_sat_scripts.main, n, args=(argv,))``); every rank returns what
@@ -17,6 +18,7 @@ import torch
 import sat_patches  # noqa: F401  (before SAT, as sat_patches.launch does)
 from sat.model.finetune.lora2 import LoraMixin
 from sat.model.official.chatglm2_model import ChatGLM2Model
+from sat_patches.cogvlm.models import FineTuneTrainCogVLMModel
 
 # ChatGLM2-6B's shape at tiny size: multi-query attention with 2 key/value groups, SwiGLU, RMSNorm
 CONFIG = dict(model_class="ChatGLM2Model", num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -47,6 +49,14 @@ class FineTuneChatGLM2(ChatGLM2Model):
         group.add_argument("--lora_rank", type=int, default=4)
         group.add_argument("--use_qlora", action="store_true")
         return super().add_model_specific_args(parser)
+
+
+class LoraCogVLM(FineTuneTrainCogVLMModel):
+    """A CogVLM fork's fine-tune class that adds LoRA to the language model in its constructor."""
+
+    def __init__(self, args, transformer=None, **kwargs):
+        super().__init__(args, transformer=transformer, **kwargs)
+        self.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=None), reinit=True)
 
 
 def write_base(path: str, seed: int = 0, **overrides) -> str:

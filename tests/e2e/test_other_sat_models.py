@@ -125,3 +125,29 @@ def test_a_bf16_run_evaluates(base, tmp_path, patched):
         assert "validation loss at iteration 2" in results[0].output, results[0].output[-3000:]
     else:  # SAT hands the bf16 metric to TensorBoard
         assert results[0].result is None and "BFloat16" in results[0].output, results[0].output[-3000:]
+
+
+def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
+    """``python -m sat_patches.evaluate ... --import MODULE``: the run's own class, LoRA not added twice."""
+    import json
+    from sat.model.base_model import get_model
+    from sat_patches import evaluate
+    from sat_patches.cogvlm.config import save_pretrained_dir, tiny_args
+    args = tiny_args("cogvlm", lora_rank=4, seed=1234)
+    args.model_class = "LoraCogVLM"
+    model = get_model(args, scripts.LoraCogVLM)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "matrix_B" in name:
+                p.uniform_(-0.1, 0.1)
+    run = save_pretrained_dir(model, args, str(tmp_path / "run"))
+    config_path = os.path.join(run, "model_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:  # a LoRA run's config, as the fork's training saves it
+        json.dump(dict(config, use_lora=True, lora_rank=4), f)
+    loaded, _ = evaluate.load_for_generation(run, "cogvlm", 1, imports=("other_sat_scripts",))
+    assert type(loaded).__name__ == "LoraCogVLM"
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(want) and any("matrix_B" in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
