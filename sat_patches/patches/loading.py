@@ -222,7 +222,10 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
     """SAT's ``from_pretrained`` at any ``model_parallel_size``; ``model_cls`` None means AutoModel.
 
     The caller's ``args`` and ``overwrite_args`` are left as they were; every rank builds and loads
-    only its own partition; an MP=N checkpoint loads at MP=N or any other size.
+    only its own partition; an MP=N checkpoint loads at MP=N or any other size. The size is
+    ``overwrite_args``' ``model_parallel_size``, else the size this process already runs at (a script's
+    ``--model-parallel-size``, set up by SAT's ``get_args``: SAT's ChatGLM2 example and VisualGLM-6B pass no
+    ``overwrite_args``), else the checkpoint's; a size the model cannot be split into stops here.
     """
     from sat.arguments import overwrite_args_by_dict, reset_random_seed, update_args_with_file
     from sat.model.registry import model_registry
