@@ -212,7 +212,8 @@ def _check_model_parallel_size(args, model_path: str, saved: int) -> None:
     if problems:
         raise CheckpointError(f"model-parallel size {size} cannot be used for '{model_path}' (saved at "
                               f"model-parallel size {saved}): {'; '.join(problems)}. Pass a --model-parallel-size "
-                              f"that divides the ranks and the heads (the checkpoint is split or joined on load)")
+                              f"(or overwrite_args={{'model_parallel_size': n}}) that divides the ranks and the "
+                              f"heads: the checkpoint is split or joined on load to any such size")
     how = "as saved" if size == saved else f"{'split' if size > saved else 'joined'} on load"
     print_rank0(f"model-parallel size {size}; '{model_path}' was saved at model-parallel size {saved} ({how})")
 
