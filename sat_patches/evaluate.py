@@ -94,18 +94,22 @@ def check_inputs(ckpt: str, data: str, mp: int, world: int) -> List[str]:
     return problems
 
 
-def load_for_generation(ckpt: str, kind: str, mp: int):
+def load_for_generation(ckpt: str, kind: str, mp: int, imports=()):
     """The checkpoint's model at MP=``mp``, in eval mode. A LoRA run's checkpoint (``use_lora``/``use_qlora``
-    in its config) gets the LoRA layers its training added before its weights are loaded; an adapter-only
-    save is loaded onto its base (named in its ``adapter.json``)."""
+    in its config) gets the LoRA layers its training added before its weights are loaded, unless its model
+    class adds them itself; an adapter-only save is loaded onto its base (named in its ``adapter.json``).
+    With ``imports`` (modules that register it) the class is the checkpoint's own ``model_class``."""
     from .checkpoints import adapter
     from .checkpoints.files import find_checkpoint, read_model_config
     from .cogvlm import model_class_for
     from .finetune import add_lora
     from .checkpoints.loading import load_checkpoint
+    from .lora.layer import has_lora
+    from .merge import model_class
     run = find_checkpoint(ckpt)
     manifest = adapter.read_manifest(os.path.dirname(run.files[0]))
-    cls, size = model_class_for(kind), {"model_parallel_size": mp}
+    cls = model_class(read_model_config(ckpt)["model_class"], imports) if imports else model_class_for(kind)
+    size = {"model_parallel_size": mp}
     if manifest is None:
         model, args = cls.from_pretrained(ckpt, None, build_only=True, overwrite_args=size)
     else:
@@ -115,7 +119,7 @@ def load_for_generation(ckpt: str, kind: str, mp: int):
         config = read_model_config(ckpt)
         for key in ("use_lora", "use_qlora", "lora_rank", "layer_range"):
             setattr(args, key, config.get(key, getattr(args, key, None)))
-    if getattr(args, "use_lora", False) or getattr(args, "use_qlora", False):
+    if (getattr(args, "use_lora", False) or getattr(args, "use_qlora", False)) and not has_lora(model):
         add_lora(model, args)
     args.mode = "inference"
     load_checkpoint(model, args, load_path=ckpt)
@@ -124,7 +128,7 @@ def load_for_generation(ckpt: str, kind: str, mp: int):
 
 
 def evaluate(ckpt: str, data: str, tokenizer_dir: str, mp: int = 1, out: str = "evaluation", version: str = "base",
-             max_length: int = 2048, max_new_tokens: int = 16) -> Dict:
+             max_length: int = 2048, max_new_tokens: int = 16, imports=()) -> Dict:
     """(every rank) Load ``ckpt`` at MP=``mp`` and answer every sample of ``data``; rank 0 writes and returns
     the summary."""
     from .data.jsonl import DataError
@@ -133,7 +137,8 @@ def evaluate(ckpt: str, data: str, tokenizer_dir: str, mp: int = 1, out: str = "
         raise DataError("\n".join(problems))
     from .checkpoints.files import read_model_config
     config = read_model_config(ckpt, need_class=True)
-    model, args = load_for_generation(ckpt, "cogagent" if "Agent" in config["model_class"] else "cogvlm", mp)
+    model, args = load_for_generation(ckpt, "cogagent" if "Agent" in config["model_class"] else "cogvlm", mp,
+                                      imports)
     args.max_length = max_length
     summary = answer_every_sample(model, args, data, tokenizer_dir, out, version, max_new_tokens)
     if summary:
@@ -200,10 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--version", default="base", help="prompt template: base, chat, vqa, chat_old")
     p.add_argument("--max_length", type=int, default=2048)
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help="module that registers the checkpoint's model_class (e.g. a fork's utils.models); "
+                        "its class is then used as it is, LoRA included when its constructor adds it")
     a = p.parse_args(argv)
     from .data.jsonl import DataError
     try:
-        evaluate(a.checkpoint, a.data, a.local_tokenizer, a.mp, a.out, a.version, a.max_length, a.max_new_tokens)
+        evaluate(a.checkpoint, a.data, a.local_tokenizer, a.mp, a.out, a.version, a.max_length, a.max_new_tokens,
+                 a.imports)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -53,15 +53,18 @@ def _partition(state: dict, path: str, count: int):
 
 
 def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[str]:
-    """Wrap every layer that has LoRA weights in ``state`` (SAT's ``replace_linear_with_lora``)."""
+    """Wrap every layer that has LoRA weights in ``state`` (SAT's ``replace_linear_with_lora``); a layer the
+    model class already wrapped in its constructor (with its own rank and ``lora_alpha``) is kept as it is."""
     from sat.model.finetune.lora2 import replace_linear_with_lora
+    from .lora.layer import is_lora_layer
     paths = []
     for path, count in sorted(lora_layers(state).items()):
         r = state[f"{path}.matrix_A.0"].shape[0]
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, name, replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
-                                                       lora_alpha))
+        if not is_lora_layer(getattr(parent, name)):
+            setattr(parent, name, replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
+                                                           lora_alpha))
         paths.append(path)
     return paths
 

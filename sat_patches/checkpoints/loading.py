@@ -160,12 +160,46 @@ def ensure_model_parallel(args) -> None:
     _simple_init(model_parallel_size=size, seed=getattr(args, "seed", 1234))
 
 
+def _model_parallel_in_use() -> Optional[int]:
+    """The model-parallel size this process runs at (set up by the script's ``get_args`` from its
+    ``--model-parallel-size``), or None before any is set up."""
+    from sat import mpu
+    if dist.is_initialized() and mpu.model_parallel_is_initialized():
+        return mpu.get_model_parallel_world_size()
+    return None
+
+
+def _check_model_parallel_size(args, model_path: str, saved: int) -> None:
+    """Say which model-parallel size the model loads at and which the checkpoint holds; stop, before
+    anything is built, where that size cannot be honoured."""
+    from sat.helpers import print_rank0
+    size = getattr(args, "model_parallel_size", 1)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    problems = []
+    if size < 1 or world % size:
+        problems.append(f"it does not divide the {world} rank(s) of this run")
+    for key in ("num_attention_heads", "num_multi_query_heads", "hidden_size", "inner_hidden_size"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and size >= 1 and value % size:
+            problems.append(f"{key} {value} does not split into {size} equal parts")
+    if problems:
+        raise CheckpointError(f"model-parallel size {size} cannot be used for '{model_path}' (saved at "
+                              f"model-parallel size {saved}): {'; '.join(problems)}. Pass a --model-parallel-size "
+                              f"(or overwrite_args={{'model_parallel_size': n}}) that divides the ranks and the "
+                              f"heads: the checkpoint is split or joined on load to any such size")
+    how = "as saved" if size == saved else f"{'split' if size > saved else 'joined'} on load"
+    print_rank0(f"model-parallel size {size}; '{model_path}' was saved at model-parallel size {saved} ({how})")
+
+
 def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, prefix="", build_only=False,
                     use_node_group=True, overwrite_args=None, **kwargs):
     """SAT's ``from_pretrained`` at any ``model_parallel_size``; ``model_cls`` None means AutoModel.
 
     The caller's ``args`` and ``overwrite_args`` are left as they were; every rank builds and loads
-    only its own partition; an MP=N checkpoint loads at MP=N or any other size.
+    only its own partition; an MP=N checkpoint loads at MP=N or any other size. The size is
+    ``overwrite_args``' ``model_parallel_size``, else the size this process already runs at (a script's
+    ``--model-parallel-size``, set up by SAT's ``get_args``: SAT's ChatGLM2 example and VisualGLM-6B pass no
+    ``overwrite_args``), else the checkpoint's; a size the model cannot be split into stops here.
     """
     from sat.arguments import overwrite_args_by_dict, reset_random_seed, update_args_with_file
     from sat.model.registry import model_registry
@@ -182,7 +216,12 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
     else:
         args = model_cls.get_args() if model_cls is not None else argparse.Namespace()
     args = update_args_with_file(args, path=os.path.join(model_path, "model_config.json"))
+    saved_mp = getattr(args, "model_parallel_size", 1)  # the size the checkpoint was saved at
+    if "model_parallel_size" not in overwrite and _model_parallel_in_use() is not None:
+        # the run's size (the script's --model-parallel-size): the checkpoint is split or joined to it
+        overwrite["model_parallel_size"] = _model_parallel_in_use()
     args = overwrite_args_by_dict(args, overwrite_args=overwrite)
+    _check_model_parallel_size(args, model_path, ckpt.mp_size if ckpt else saved_mp)
     if model_cls is None:
         model_cls = model_registry.get(args.model_class)
         if null_args:
@@ -193,7 +232,7 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
     if build_only:
         return _build(args, model_cls, kwargs, on_meta=False), args
     model = build_and_load(model_cls, args, ckpt, prefix, **kwargs)
-    new_mp = overwrite.get("model_parallel_size")
+    new_mp = (overwrite_args or {}).get("model_parallel_size")
     if new_mp is not None and (new_mp != 1 or caller_mp == 1):
         reset_random_seed(6)  # as SAT's model-parallel branch does after splitting
     return model, args

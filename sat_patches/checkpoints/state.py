@@ -130,6 +130,18 @@ def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
             (module._parameters if is_param else module._buffers)[name] = new
 
     def load(module, prefix):
+        base = getattr(module, "original", None)
+        if isinstance(base, torch.nn.Module) and prefix + "original." not in prefixes \
+                and any(prefix + name in source for name, *_ in _tensors(base)):
+            # a LoRA layer its model's constructor added, over a checkpoint saved without LoRA: the base
+            # layer's tensors are the plain layer's keys; A and B keep their initialisation (as SAT's)
+            fill(base, prefix)
+            if after is not None:
+                after(base, prefix + "original.")
+            _materialise_lora_factors(module, target)
+            if after is not None:
+                after(module, prefix)
+            return
         if _hooked(module):
             hooked_prefixes.append(prefix)
             view = _LazyState(source, lambda key: _resolve(model, key))
@@ -146,12 +158,35 @@ def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
         if after is not None:
             after(module, prefix)
 
+    # every "a.b." that prefixes a key of the source (a LoRA layer saved with LoRA has "x.original.")
+    prefixes = {key[:i + 1] for key in source.keys() for i, c in enumerate(key) if c == "."}
     load(model, "")
     if errors:
         raise CheckpointError("loading '{}' failed:\n\t{}".format(source.ckpt.path, "\n\t".join(errors)))
     unexpected += [k for k in source.keys() if k not in source.used and k not in unexpected
                    and not any(k.startswith(p) for p in hooked_prefixes if p)]
     return missing, unexpected
+
+
+def _materialise_lora_factors(layer: torch.nn.Module, device: torch.device) -> None:
+    """A LoRA layer built on meta (over a checkpoint without LoRA): its A and B on ``device``, initialised."""
+    made = False
+    for factor in ("matrix_A", "matrix_B"):
+        factors = getattr(layer, factor, None) or []
+        for i, p in enumerate(factors):
+            if p.is_meta:
+                new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                factors[i] = new
+                made = True
+    if made:
+        layer.reset_lora_parameters()
+
+
+def _lora_factor_over_plain(key: str, keys) -> bool:
+    """``key`` is LoRA's ``matrix_A.i``/``matrix_B.i`` of a layer the checkpoint holds without LoRA."""
+    path, found, rest = key.rpartition(".matrix_")
+    return bool(found) and rest[:2] in ("A.", "B.") and path + ".weight" in keys
 
 
 def meta_tensors(model: torch.nn.Module) -> List[str]:
@@ -177,7 +212,12 @@ def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
     for prefix, module in model.named_modules():
         prefix = prefix + "." if prefix else ""
         for name, t, _, persistent in _tensors(module):
-            if t.is_meta and (_hooked(module) or not persistent or prefix + name not in keys):
+            key = prefix + name
+            if key not in keys and key.endswith(".original." + name):  # a LoRA base over a plain checkpoint
+                key = key[:-len("original." + name)] + name
+            if t.is_meta and key not in keys and _lora_factor_over_plain(key, keys):
+                continue  # initialised when its layer loads
+            if t.is_meta and (_hooked(module) or not persistent or key not in keys):
                 return False
     return True
 

@@ -108,7 +108,9 @@ class LoraLinear(nn.Module):
         if qlora and self.kind != PLAIN and get_model_parallel_world_size() > 1:
             raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 "
                                       "base layer has no model-parallel forward")
-        self.original = quantize_nf4(original_obj) if qlora and not nf4_base else original_obj
+        # a base still on meta (a model that adds QLoRA in its constructor) is quantised as it loads
+        on_meta = original_obj.weight.device.type == "meta"
+        self.original = quantize_nf4(original_obj) if qlora and not nf4_base and not on_meta else original_obj
 
         out_features, in_features = full_shape(original_obj) if nf4_base else weight.shape  # this rank's slice
         rows = segment_sizes(out_features, partition)
@@ -237,3 +239,11 @@ def lora_targets(layer, cross_attention: bool):
         yield layer.cross_attention, "key_value", 2
 
 
+def is_lora_layer(module: nn.Module) -> bool:
+    """A LoRA layer: this package's :class:`LoraLinear` or stock SAT's (both keep ``original``, ``matrix_A``, ``matrix_B``)."""
+    return all(hasattr(module, a) for a in ("matrix_A", "matrix_B", "original"))
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether ``model`` holds LoRA layers already (a model class that adds LoRA in its constructor)."""
+    return any(is_lora_layer(m) for m in model.modules())

@@ -98,6 +98,8 @@ def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> Non
         if id(child) in done:
             setattr(module, name, done[id(child)][1])
         elif isinstance(child, FLOAT_LINEARS) and not isinstance(child, Linear4bit):
+            if child.weight.is_meta:  # built on meta: the streamed loader quantises it as it arrives
+                continue
             done[id(child)] = (child, quantize_nf4(child))
             setattr(module, name, done[id(child)][1])
         else:
@@ -112,12 +114,13 @@ def qlora_run(args) -> bool:
 def qlora_base(model: nn.Module) -> List[nn.Module]:
     """The parts of a model whose float linears QLoRA makes NF4: the transformer and the mixins that
     extend it (CogVLM's vision experts, LLaMA's gate projections); not a mixin holding a model of its
-    own (CogVLM's EVA vision tower), not the adapters, and not the LM head (``lm``), which QLoRA keeps
-    in the run's dtype as it does the embeddings."""
+    own (CogVLM's EVA vision tower), not the adapters, and not the LM head (LLaMA's ``lm``, ChatGLM2's
+    ``chatglm-final``: a mixin with an ``lm_head``), which QLoRA keeps in the run's dtype as it does the embeddings."""
     from sat.model.base_model import BaseModel
     roots = [model.transformer] if hasattr(model, "transformer") else []
     for name, mixin in getattr(model, "mixins", {}).items():
-        if name not in ("lora", "lm") and not any(isinstance(m, BaseModel) for m in mixin.modules()):
+        if name not in ("lora", "lm") and not hasattr(mixin, "lm_head") \
+                and not any(isinstance(m, BaseModel) for m in mixin.modules()):
             roots.append(mixin)
     return roots
 
@@ -127,8 +130,10 @@ def nf4_as_loaded(model: nn.Module, args):
     :func:`qlora_base` into NF4 on the compute device as soon as it is loaded, so the float model
     never exists whole on the device: the peak is the NF4 model plus one linear in float
     (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
-    wraps these NF4 bases as they are. None for other runs."""
-    if not qlora_run(args) or not hasattr(model, "transformer"):
+    wraps these NF4 bases as they are; a model whose constructor added ``LoraMixin(qlora=True)`` (built on
+    meta, its LoRA bases still float) has those bases quantised here as they arrive. None for other runs."""
+    qlora_mixin = any(getattr(m, "qlora", False) for m in getattr(model, "mixins", {}).values())
+    if not (qlora_run(args) or qlora_mixin) or not hasattr(model, "transformer"):
         return None
     if get_model_parallel_world_size() > 1:
         raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 base layer has no "

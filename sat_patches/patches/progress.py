@@ -54,6 +54,21 @@ def _report_iteration_metrics(original):
     return report_iteration_metrics
 
 
+def _report_evaluate_metrics(original):
+    """SAT's evaluation report with its metrics as float32: a bf16 run's metrics (a script that returns its
+    loss in the model's dtype, as SAT's ChatGLM2 example does) are bf16 tensors, which TensorBoard's
+    ``add_scalar`` refuses ("Got unsupported ScalarType BFloat16") at the run's first evaluation."""
+    import torch
+
+    @functools.wraps(original)
+    def report_evaluate_metrics(summary_writer, prefix, loss, ppl, step, args, avg_metrics):
+        if avg_metrics:
+            avg_metrics = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                           for k, v in avg_metrics.items()}
+        return original(summary_writer, prefix, loss, ppl, step, args, avg_metrics)
+    return report_evaluate_metrics
+
+
 class QuietThirdPartyPatch(Patch):
     """The log filters of :mod:`sat_patches.core.noise` as a registry entry (they go on at ``import
     sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
@@ -84,4 +99,9 @@ PATCHES = [
                   "the run's loss curve (loss_curve.csv/.png beside the memory ledger)",
           expect=expect_params("summary_writer", "optimizer", "lr", "loss", "elapsed_time", "step", "total_step",
                                "args", "avg_metrics")),
+    Patch("evaluation_metrics_float", "sat.training.deepspeed_training:report_evaluate_metrics",
+          _report_evaluate_metrics,
+          answers="with --bf16, SAT's evaluation hands bf16 metric tensors to TensorBoard's add_scalar ('Got "
+                  "unsupported ScalarType BFloat16'): a bf16 run that evaluates dies at its first evaluation",
+          expect=expect_params("summary_writer", "prefix", "loss", "ppl", "step", "args", "avg_metrics")),
 ]

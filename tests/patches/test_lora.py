@@ -315,10 +315,14 @@ def test_qlora_fails_without_each_patch():
             model.get_mixin("lora").merge_lora()
 
 
-def test_qlora_refuses_a_meta_base():
+def test_qlora_on_a_meta_base_leaves_it_for_the_loader():
+    """A model that adds QLoRA in its constructor is built on meta: its bases stay float on meta, and the
+    streamed loader quantises each as its weights arrive (tests/e2e/test_other_sat_models.py)."""
     model = build(llama=True, use_bias=False, inner_hidden_size=128).to("meta")
-    with pytest.raises(ValueError, match="meta"):
-        add_lora(model, qlora=True)
+    add_lora(model, qlora=True)
+    qkv = model.transformer.layers[0].attention.query_key_value
+    assert qkv.original.weight.is_meta and not lora_layer._is_nf4(qkv.original)
+    assert model.transformer.layers[0].mlp.dense_h_to_4h.weight.is_meta
 
 
 # -- model-parallel split / merge helpers -----------------------------------------------------

@@ -7,16 +7,12 @@ import torch
 from torch import nn
 
 from sat_patches.checkpoints.sharding import COLUMN, ROW, lora_factor_split, parallel_kind
-from sat_patches.lora.layer import segment_sizes
+from sat_patches.lora.layer import is_lora_layer, segment_sizes
 
 
 class LoraLayout(NamedTuple):
     kind: str  # "column" | "row" | "plain": the base layer's parallel type
     partition: Union[int, List[int]]  # SAT's partition: stacked outputs (3 for QKV) or their ratios
-
-
-def is_lora_layer(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("matrix_A", "matrix_B", "original"))
 
 
 def lora_layout(model: nn.Module) -> Dict[str, LoraLayout]:
