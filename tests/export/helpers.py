@@ -8,11 +8,11 @@ from sat_patches.checkpoints import adapter, files, safe_load, writer
 KINDS = ("cogvlm", "cogagent")
 
 
-def build(kind, lora_rank=0, seed=0):
+def build(kind, lora_rank=0, seed=0, **overrides):
     """The tiny model (fp32); with ``lora_rank``, SAT lora2 on every language layer, B != 0."""
     from sat_patches.cogvlm.tiny import build_tiny_model
     torch.manual_seed(seed)
-    model, args = build_tiny_model(kind)
+    model, args = build_tiny_model(kind, **overrides)
     if lora_rank:
         from sat.model.finetune.lora2 import LoraMixin
         model.add_mixin("lora", LoraMixin(args.num_layers, lora_rank, layer_range=None,
