@@ -46,6 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
     import sat_patches  # noqa: F401  (before SAT: it makes `import sat` work here)
     from ..checkpoints.files import CheckpointError
+    from ..checkpoints.safe_load import UnsafeCheckpointError
     try:
         if a.verb == "hf":
             from .hf import export_hf
@@ -64,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             info = import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
             print(f"imported {info['model_class']} ({info['tensors']} tensors) into {a.output} at model-parallel "
                   f"size {info['mp_size']}")
-    except CheckpointError as exc:
+    except (CheckpointError, UnsafeCheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
