@@ -139,7 +139,10 @@ class SatCheckpoint:
     def raw(self, name: str) -> torch.Tensor:
         """The full-size tensor as saved (a view of the mapped file when it is one piece), LoRA not folded."""
         source, key = self._where[name]
-        return source.assembled(key, self.like[name], self.split(name))
+        like = torch.empty(self.like[name].shape, dtype=source.state[0][key].dtype, device="meta")
+        # one saved tensor: a view of the mapped file; joined from shards: new memory, filled a chunk at a
+        # time with the mapped pages of each chunk dropped after it
+        return source.materialised(key, like, self.split(name), torch.device("cpu"))
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full-size tensor with its layer's LoRA folded in (a new tensor then), else :meth:`raw`."""
@@ -182,4 +185,4 @@ class SatCheckpoint:
         """Drop the mapped pages a view of the checkpoint touched (no-op for new tensors)."""
         for source in (self.own, self.base):
             if source is not None and t.untyped_storage().data_ptr() in source.mapped_storages:
-                source.release(t)
+                sharding.release_pages(t)   # written out: nothing of the export keeps it
