@@ -1,8 +1,8 @@
 """``python -m sat_patches.export hf CKPT OUT`` / ``peft ADAPTER OUT`` / ``import-hf HF_DIR OUT --mp N``.
 
-:func:`main` takes the verb and its arguments (``sat-patches export ...`` and ``sat-patches import ...``
-call it with theirs). Errors print one line saying what to change and exit with status 1, before
-anything is written.
+:func:`main` takes the verb and its arguments; ``sat-patches export hf|peft ...`` is :func:`main` and
+``sat-patches import hf HF_DIR OUT`` is :func:`import_main`. Errors print one line saying what to change
+and exit with status 1, before anything is written.
 """
 from __future__ import annotations
 
@@ -69,6 +69,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def import_main(argv: Optional[List[str]] = None) -> int:
+    """``sat-patches import hf HF_DIR OUT [--mp N]``: :func:`main`'s ``import-hf``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "hf":
+        print("usage: sat-patches import hf HF_DIR OUT [--mp N] [--overwrite] (the Hugging Face layout is the one "
+              "source there is)", file=sys.stderr)
+        return 2
+    return main(["import-hf", *argv[1:]])
 
 
 if __name__ == "__main__":

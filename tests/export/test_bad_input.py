@@ -155,3 +155,20 @@ def test_import_refuses_bad_folders(tiny, tmp_path):
     refused(lambda: import_hf(str(pickled), out), "pickled weights are not read", out)
 
     refused(lambda: import_hf(str(root / "hf"), out, mp=3), "cannot be split over 3", out)
+
+
+def test_command_lines(tiny, tmp_path):
+    from sat_patches.export.__main__ import import_main
+    root, *_ = tiny
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert import_main(["hf", str(root / "hf"), str(tmp_path / "sat"), "--mp", "2"]) == 0
+        assert main(["hf", str(tmp_path / "sat"), str(tmp_path / "hf"), "--max-shard-size", "0.5"]) == 0
+    text = out.getvalue()
+    assert "at model-parallel size 2" in text and "from 2 model-parallel shard(s)" in text
+    assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) > 1
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["peft", str(root / "sat"), str(tmp_path / "peft")]) == 1
+        assert import_main(["gguf", "x", "y"]) == 2
+    assert "holds no LoRA matrices" in err.getvalue() and "usage: sat-patches import hf" in err.getvalue()

@@ -34,6 +34,11 @@ def test_whole_checkpoint_mp1_and_mp2(kind, tmp_path):
     import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     [back] = load_module(str(tmp_path / "back"))
     assert_identical(back, state)
+    # what the finetune scripts do with MODEL_TYPE=<that folder>
+    from sat_patches.cogvlm.config import model_class_for
+    loaded, loaded_args = model_class_for(kind).from_pretrained(str(tmp_path / "back"), None)
+    assert loaded_args.eva_args == args.eva_args and loaded_args.image_length == args.image_length
+    assert_identical(loaded.state_dict(), state)
 
     # an MP=2 save (SAT's split rules) exports to the same HF tensors, and imports back to the same shards
     mp2 = mp2_states(model, state)
