@@ -68,6 +68,13 @@ def rank_piece(full: torch.Tensor, split, mp: int, rank: int) -> torch.Tensor:
     return torch.cat([full.narrow(d, start, n) for _, _, start, n in pieces], dim=d).clone()
 
 
+def rotary_inv_freq(config: dict) -> torch.Tensor:
+    """The rotary ``inv_freq`` buffer SAT builds for ``config`` (its own ``FastRotaryEmbedding``, fp32)."""
+    from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    return FastRotaryEmbedding(dim, pos_idx_in_fp32=False, device="cpu").inv_freq
+
+
 def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> dict:
     """Write the SAT checkpoint of the HF folder ``hf_dir`` at ``out`` (model-parallel size ``mp``)."""
     if os.path.exists(out) and not overwrite:
@@ -109,16 +116,20 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
         raise ExportError(f"'{hf_dir}': {len(bad)} tensor(s) that {config['model_class']} of its config.json does "
                           f"not have, e.g. {bad[:5]}: not this model, or config.json does not describe it; nothing "
                           f"was written")
+    computed = {}
+    if names.INV_FREQ in like and names.INV_FREQ not in by_sat:  # a checkpoint saved without the rotary buffers
+        computed[names.INV_FREQ] = rotary_inv_freq(config)
+        by_sat[names.INV_FREQ] = []
     missing = [k for k in like if k not in by_sat]
     layers = config["num_layers"]
-    if names.INV_FREQ in by_sat and len(by_sat[names.INV_FREQ]) != layers:
+    if names.INV_FREQ in by_sat and not computed and len(by_sat[names.INV_FREQ]) != layers:
         missing.append(names.HF_INV_FREQ.format("N") + f" ({len(by_sat[names.INV_FREQ])} of {layers} layers)")
     if missing:
         raise ExportError(f"'{hf_dir}' lacks {len(missing)} tensor(s) of {config['model_class']}, e.g. "
                           f"{missing[:5]}: an incomplete download; nothing was written")
     splits = {}
     for key, hf_names in by_sat.items():
-        for name in hf_names:
+        for name in hf_names if key not in computed else []:
             info = headers[located[name]][name]
             if tuple(info["shape"]) != tuple(like[key].shape):
                 raise ExportError(f"'{name}' is {tuple(info['shape'])} in '{hf_dir}', but {config['model_class']} "
@@ -135,6 +146,8 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
     mapped = {f: stream.mapped_tensors(os.path.join(hf_dir, f), h) for f, h in headers.items()}
 
     def full(key: str) -> torch.Tensor:
+        if key in computed:
+            return computed[key]
         tensors = [mapped[located[n]][n] for n in by_sat[key]]
         if any(not torch.equal(tensors[0], t) for t in tensors[1:]):
             raise ExportError(f"'{hf_dir}': the layers' {by_sat[key][0].rsplit('.', 2)[-2]} buffers differ; SAT "

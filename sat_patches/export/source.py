@@ -80,8 +80,10 @@ class SatCheckpoint:
             for key in source.keys():
                 m = _LORA.match(key)
                 if m:
-                    if source is self.own:
-                        self.loras.setdefault(m.group("path"), []).append(key)
+                    if source is not self.own:
+                        raise ExportError(f"{self.path}: its base {self.base.ckpt.path} holds LoRA matrices ('{key}'): "
+                                          f"merge the base first (python -m sat_patches.merge) and train from that")
+                    self.loras.setdefault(m.group("path"), []).append(key)
                     continue
                 name = canonical(key)
                 if name not in self.like:

@@ -14,7 +14,7 @@ from sat_patches.checkpoints.safe_load import UnsafeCheckpointError
 from sat_patches.export.__main__ import main
 from sat_patches.export.hf import export_hf
 from sat_patches.export.importer import import_hf
-from sat_patches.export.source import ExportError, SatCheckpoint
+from sat_patches.export.source import SatCheckpoint
 
 from .helpers import build, config_of, mp2_states, save
 
@@ -172,3 +172,30 @@ def test_command_lines(tiny, tmp_path):
         assert main(["peft", str(root / "sat"), str(tmp_path / "peft")]) == 1
         assert import_main(["gguf", "x", "y"]) == 2
     assert "holds no LoRA matrices" in err.getvalue() and "usage: sat-patches import hf" in err.getvalue()
+
+
+def test_import_without_rotary_buffers_computes_sats(tiny, tmp_path):
+    """A folder saved without the layers' rotary ``inv_freq`` (a non-persistent buffer there) still imports:
+    SAT's own buffer is computed, equal to what SAT built the model with."""
+    from safetensors.torch import load_file, save_file
+    root, model, state, _ = tiny
+    folder = copy_hf(root, tmp_path, "norotary")
+    index = json.load(open(folder / "model.safetensors.index.json"))
+    for file in set(index["weight_map"].values()):
+        tensors = {k: v for k, v in load_file(str(folder / file)).items() if "rotary_emb" not in k}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "rotary_emb" not in k}
+    json.dump(index, open(folder / "model.safetensors.index.json", "w"))
+    import_hf(str(folder), str(tmp_path / "sat"))
+    from .helpers import assert_identical, load_module
+    assert_identical(load_module(str(tmp_path / "sat"))[0], state)
+
+
+def test_adapter_on_an_unmerged_base_is_refused(tmp_path):
+    from .helpers import save_adapter_only
+    model, args = build("cogvlm", lora_rank=2)
+    state, config = model.state_dict(), config_of(args)
+    base = save(str(tmp_path / "base"), state, config)            # a LoRA save used as a base, not merged
+    adapter = save_adapter_only(str(tmp_path / "run"), state, config, base)
+    out = str(tmp_path / "out")
+    refused(lambda: export_hf(adapter, out), "holds LoRA matrices.*merge the base first", out)
