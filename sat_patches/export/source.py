@@ -152,7 +152,8 @@ class SatCheckpoint:
         path = name[: -len(".weight")] if name.endswith(".weight") else None
         if path in self.loras:
             from ..patches.lora import add_lora_product
-            t = t.clone()
+            raw, t = t, t.clone()
+            self.release(raw)
             lora = self.lora(path)
             add_lora_product(t, SimpleNamespace(matrix_A=lora.A, matrix_B=lora.B, scaling=lora.scaling))
         return t

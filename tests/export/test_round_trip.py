@@ -100,3 +100,21 @@ def test_exported_folder_layout_and_config(tmp_path):
     assert config["cross_compute_hidden_size"] == 4 * 16 and config["cross_hidden_size"] == 64
     assert config["vision_config"]["num_positions"] == 17 and config["vision_config"]["image_size"] == 56
     assert sorted(os.listdir(tmp_path)) == ["hf", "hub", "sat"]      # nothing staged left beside OUT
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_round_trip(dtype, tmp_path):
+    """bf16/fp16 (how released and trained checkpoints are saved): the safetensors library reads our shards
+    with the same bits, and they import back unchanged."""
+    model, args = build("cogvlm")
+    state = {k: v.to(dtype) if v.is_floating_point() and "inv_freq" not in k else v
+             for k, v in model.state_dict().items()}
+    sat = save(str(tmp_path / "sat"), state, config_of(args))
+    export_hf(sat, str(tmp_path / "hf"))
+    from sat_patches.export import names
+    exported = hf_tensors(str(tmp_path / "hf"))
+    for name, t in exported.items():
+        assert torch.equal(t, state[names.sat_name(name)]) and t.dtype == state[names.sat_name(name)].dtype, name
+    assert json.load(open(tmp_path / "hf" / "config.json"))["torch_dtype"] == str(dtype).replace("torch.", "")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert_identical(load_module(str(tmp_path / "back"))[0], state)
