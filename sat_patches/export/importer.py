@@ -98,7 +98,7 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
     if unknown:
         raise ExportError(f"model.safetensors.index.json names {unknown[:5]}, absent from their shard files: "
                           f"download the folder again")
-    model = build_meta(config)
+    model = build_meta(config, os.path.join(hf_dir, "config.json"))
     like = dict(model.state_dict(keep_vars=True))
     by_sat: Dict[str, list] = {}
     bad = []

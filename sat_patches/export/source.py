@@ -46,10 +46,14 @@ def canonical(key: str) -> str:
     return key.replace(".original.", ".")
 
 
-def build_meta(config: dict) -> torch.nn.Module:
+def build_meta(config: dict, where: str = "model_config.json") -> torch.nn.Module:
     """The model of ``config`` at full size (model-parallel size 1) on meta: shapes and splits, no memory."""
     from ..testing.full_size import build_on_meta
-    return build_on_meta(config, mp=1)
+    try:
+        return build_on_meta(config, mp=1)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ExportError(f"{config.get('model_class')} cannot be built from {where} ({exc!r}): set the values the "
+                          f"model was trained with") from exc
 
 
 class SatCheckpoint:
@@ -67,7 +71,7 @@ class SatCheckpoint:
         self.lora_alpha = lora_alpha
         self.own = sharding.ShardedSource(self.ckpt)
         self.base = adapter_base(self.ckpt, path)          # an adapter-only save: its base's shards
-        self.model = build_meta(self.config)
+        self.model = build_meta(self.config, f"{path}/model_config.json")
         self.like = dict(self.model.state_dict(keep_vars=True))   # persistent tensors, on meta
         self._where: Dict[str, Tuple[sharding.ShardedSource, str]] = {}
         self.loras: Dict[str, List[str]] = {}
@@ -100,7 +104,10 @@ class SatCheckpoint:
                               f"{missing[:5]}: an incomplete checkpoint (an adapter-only save needs its base, "
                               f"named in adapter.json); nothing was written")
         for name, (source, key) in self._where.items():
-            names.hf_names(name, self.config["num_layers"])   # every tensor has an HF name, or stop here
+            try:
+                names.hf_names(name, self.config["num_layers"])   # every tensor has an HF name, or stop here
+            except names.UnknownKeyError as exc:
+                raise ExportError(f"{self.path}: {exc}; nothing was written") from exc
             source.pieces(key, self.like[name], self.split(name))  # shapes vs config (raises)
         for path in self.loras:
             if path + ".weight" not in self.like:

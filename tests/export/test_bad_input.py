@@ -199,3 +199,14 @@ def test_adapter_on_an_unmerged_base_is_refused(tmp_path):
     adapter = save_adapter_only(str(tmp_path / "run"), state, config, base)
     out = str(tmp_path / "out")
     refused(lambda: export_hf(adapter, out), "holds LoRA matrices.*merge the base first", out)
+
+
+def test_a_config_the_model_cannot_be_built_from_is_refused(tiny, tmp_path):
+    root, _, state, config = tiny
+    save(str(tmp_path / "odd"), state, dict(config, image_length=15))   # not the EVA grid (16 patches)
+    out = str(tmp_path / "out")
+    refused(lambda: export_hf(str(tmp_path / "odd"), out), "cannot be built from .*model_config.json", out)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["hf", str(tmp_path / "odd"), out]) == 1
+    assert "image_length" in err.getvalue()
