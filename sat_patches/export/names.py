@@ -11,7 +11,7 @@ Needs neither torch nor SAT.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, EVA_E_ARGS
 
@@ -115,11 +115,6 @@ def hf_names(sat_key: str, num_layers: int) -> List[str]:
     if sat_key == INV_FREQ:
         return [HF_INV_FREQ.format(i) for i in range(num_layers)]
     return [hf_name(sat_key)]
-
-
-def layer_of(hf_key: str) -> Optional[int]:
-    m = re.match(r"model\.layers\.(\d+)\.", hf_key)
-    return int(m.group(1)) if m else None
 
 
 # --------------------------------------------------------------------------------------
