@@ -63,7 +63,8 @@ setup(
     extras_require={
         # `sat-patches report` draws the memory ledger as a PNG
         "report": ["matplotlib>=3.5"],
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5"],
+        # peft: the PEFT adapter export is loaded by peft itself in the tests (0.21.2 with transformers 5.24)
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5", "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.cli.main:main"]},
 )

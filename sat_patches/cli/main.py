@@ -1,4 +1,4 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``.
+"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``, ``export``, ``import``.
 
 Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
 this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import doctor, plan, report, scripts, status
+from . import doctor, export, plan, report, scripts, status
 
 # (name, function that adds the subparser)
 COMMANDS = [("status", status.add_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
-            ("report", report.add_parser), ("scripts", scripts.add_parser)]
+            ("report", report.add_parser), ("scripts", scripts.add_parser), ("export", export.add_parser)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """What a training step of CogVLM / CogAgent keeps alive, measured on the real model at full size on meta.
 
 The model is this project's checkpoint-compatible CogVLM/CogAgent (``sat_patches.cogvlm``) built at
-full width on meta (:mod:`.full_size`) with as many layers of each kind as asked, LoRA added as the
+full width on meta (:mod:`sat_patches.cogvlm.on_meta`) with as many layers of each kind as asked, LoRA added as the
 fine-tuning demo adds it, the base frozen; one micro-batch at the demo's ``max_length`` and real image
 sizes runs forward, loss and backward under :class:`.live_bytes.LiveBytes`, with the masks and positions
 carrying their values (:class:`.meta_values.MetaValues`). A model-parallel rank is measured as rank 0 of
@@ -102,7 +102,7 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     from sat.model.finetune.lora2 import LoraMixin
     from ..runtime import devices
     from ..planning.estimator import default_seq_len, plan_config
-    from .full_size import build_on_meta, collectives_as_shapes, model_parallel_as
+    from ..cogvlm.on_meta import build_on_meta, collectives_as_shapes, model_parallel_as
     from .live_bytes import LiveBytes
     from .meta_values import MetaValues
     config = _with_layers(plan_config(config), layers)

@@ -3,7 +3,7 @@
 import pytest
 
 from sat_patches.cogvlm.shapes import RELEASED, upstream_config
-from sat_patches.testing.full_size import build_on_meta
+from sat_patches.cogvlm.on_meta import build_on_meta
 from sat_patches.planning import estimator as plan
 
 

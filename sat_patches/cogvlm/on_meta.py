@@ -46,7 +46,7 @@ def build_on_meta(config: dict, mp: int = 1):
     """The model of ``config`` (a ``model_config.json`` dict of CogVLM or CogAgent) as model-parallel
     rank 0 of ``mp`` holds it, on meta, in bf16."""
     import torch
-    from ..cogvlm import config as cogvlm_config
+    from . import config as cogvlm_config
     from ..runtime import construction
     cls = cogvlm_config.model_class_for(config["model_class"], finetune=False)
     args = cls.get_args()

@@ -1,0 +1,93 @@
+"""``sat-patches export hf CKPT OUT`` / ``export peft ADAPTER OUT`` and ``sat-patches import hf HF_DIR OUT --mp N``
+(also ``python -m sat_patches.export hf|peft|import-hf ...``): :mod:`sat_patches.export` on the command line.
+
+:func:`main` takes the verb and its arguments (``hf``, ``peft``, ``import-hf``); :func:`import_main` is
+``sat-patches import hf``. Errors print one line saying what to change
+and exit with status 1, before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+VERBS = ("hf", "peft", "import-hf")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sat-patches export",
+                                description="CogVLM / CogAgent between SAT checkpoints and the Hugging Face layout")
+    sub = p.add_subparsers(dest="verb", required=True)
+    hf = sub.add_parser("hf", help="SAT checkpoint -> Hugging Face folder (config.json, safetensors shards)")
+    hf.add_argument("checkpoint", help="SAT checkpoint directory (any MP size, LoRA merged or not, adapter-only)")
+    hf.add_argument("output", help="new folder for the Hugging Face layout")
+    hf.add_argument("--max-shard-size", type=float, default=2000, metavar="MB",
+                    help="largest safetensors shard, in MB (default 2000)")
+    hf.add_argument("--hf-code", metavar="DIR", help="your local copy of the model's hub repository "
+                    "(THUDM/cogvlm-chat-hf, cogagent-chat-hf): its .py files are copied for trust_remote_code")
+    peft = sub.add_parser("peft", help="a LoRA run's adapters -> PEFT adapter for the exported model")
+    peft.add_argument("checkpoint", help="SAT checkpoint with LoRA matrices (an adapter-only save, or unmerged)")
+    peft.add_argument("output", help="new folder for adapter_config.json and adapter_model.safetensors")
+    peft.add_argument("--base-model", help="what adapter_config.json names as base_model_name_or_path "
+                      "(the folder export hf wrote)")
+    for verb in (hf, peft):
+        verb.add_argument("--lora-alpha", type=float, default=1.0,
+                          help="the LoraMixin lora_alpha used in training (SAT's and CogVLM's default: 1)")
+        verb.add_argument("--iteration", type=int, default=None, help="iteration to export (default: 'latest')")
+    imp = sub.add_parser("import-hf", help="Hugging Face folder -> SAT checkpoint (from_pretrained, MODEL_TYPE=OUT)")
+    imp.add_argument("hf_dir", help="Hugging Face folder of CogVLM or CogAgent (config.json, *.safetensors)")
+    imp.add_argument("output", help="new SAT checkpoint directory")
+    imp.add_argument("--mp", type=int, default=1, help="model-parallel size of the checkpoint (default 1)")
+    for verb in (hf, peft, imp):
+        verb.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (whole, at the end)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parser().parse_args(argv)
+    import sat_patches  # noqa: F401  (before SAT: it makes `import sat` work here)
+    from ..checkpoints.files import CheckpointError
+    from ..checkpoints.safe_load import UnsafeCheckpointError
+    try:
+        if a.verb == "hf":
+            from ..export.hf import export_hf
+            info = export_hf(a.checkpoint, a.output, a.iteration, a.lora_alpha, int(a.max_shard_size * 10**6),
+                             a.overwrite, a.hf_code)
+            print(f"exported {info['model_class']} ({info['tensors']} tensors, {info['bytes'] / 1e9:.2f} GB in "
+                  f"{info['shards']} shard(s), from {info['mp_size']} model-parallel shard(s), "
+                  f"{info['lora_layers']} LoRA layer(s) folded) to {a.output}")
+        elif a.verb == "peft":
+            from ..export.peft import export_peft
+            info = export_peft(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite, a.base_model)
+            print(f"exported the LoRA of {info['layers']} layer(s) (rank {info['rank']}; {info['fused']} fused "
+                  f"qkv/kv as one LoRA of rank partition x r) to {a.output}")
+        else:
+            from ..export.importer import import_hf
+            info = import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
+            print(f"imported {info['model_class']} ({info['tensors']} tensors) into {a.output} at model-parallel "
+                  f"size {info['mp_size']}")
+    except (CheckpointError, UnsafeCheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def import_main(argv: Optional[List[str]] = None) -> int:
+    """``sat-patches import hf HF_DIR OUT [--mp N]``: :func:`main`'s ``import-hf``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "hf":
+        print("usage: sat-patches import hf HF_DIR OUT [--mp N] [--overwrite] (the Hugging Face layout is the one "
+              "source there is)", file=sys.stderr)
+        return 2
+    return main(["import-hf", *argv[1:]])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: main(a.rest))
+    q = sub.add_parser("import", help="a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)",
+                       add_help=False)
+    q.add_argument("rest", nargs=argparse.REMAINDER)
+    q.set_defaults(func=lambda a: import_main(a.rest))

@@ -1,0 +1,86 @@
+"""SAT checkpoint -> Hugging Face folder of CogVLM / CogAgent (``sat-patches export hf CKPT OUT``).
+
+People asked for it in THUDM/CogVLM#439 (CogAgent: no script), #415, #241 (a maintainer's sketch: MP=1
+CogVLM only) and #302 (that sketch fails on LoRA's ``query_key_value.original.weight``). Any checkpoint
+:class:`~sat_patches.export.source.SatCheckpoint` reads (model-parallel shards, unmerged LoRA folded in,
+an adapter-only save with its base) becomes the layout of ``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf``:
+``config.json``, ``generation_config.json``, ``model-0000i-of-0000n.safetensors`` shards and
+``model.safetensors.index.json``; with ``hf_code`` the model's own ``.py`` files are copied from the
+user's local copy of the hub repository, so ``AutoModelForCausalLM.from_pretrained(OUT,
+trust_remote_code=True)`` works offline.
+
+Streamed: one tensor at a time from the memory-mapped shards into the shard file being written (the
+pages it read are dropped after), so host memory stays near the largest tensor, never the model. The
+folder is staged beside OUT and renamed into place whole.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+
+from . import names, stream
+from .source import ExportError, SatCheckpoint
+
+DEFAULT_SHARD_BYTES = 2 * 10**9
+_CODE = {"CogVLMModel": ("modeling_cogvlm.py", "configuration_cogvlm.py"),
+         "CogAgentModel": ("modeling_cogagent.py", "configuration_cogagent.py")}
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def check_hf_code(directory: str, model_class: str) -> list:
+    """The ``.py`` files of the user's copy of the model's hub repository, refused when it lacks the model's."""
+    if not os.path.isdir(directory):
+        raise ExportError(f"--hf-code {directory}: no such folder (pass your local copy of the model's hub "
+                          f"repository, e.g. a download of THUDM/cogvlm-chat-hf)")
+    have = sorted(f for f in os.listdir(directory) if f.endswith(".py"))
+    missing = [f for f in _CODE[model_class] if f not in have]
+    if missing:
+        raise ExportError(f"--hf-code {directory} lacks {', '.join(missing)}: pass the hub repository of "
+                          f"{names.MODELS[model_class]} (its modeling and configuration files)")
+    return [os.path.join(directory, f) for f in have]
+
+
+def export_hf(checkpoint: str, out: str, iteration: Optional[int] = None, lora_alpha: float = 1.0,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+              hf_code: Optional[str] = None) -> dict:
+    """Write the HF folder of ``checkpoint`` at ``out``. Raises :class:`ExportError` (or a
+    :class:`~sat_patches.checkpoints.files.CheckpointError`) before writing anything for input it cannot use."""
+    if os.path.exists(out) and not overwrite:
+        raise ExportError(f"{out} exists; choose a new output folder or pass --overwrite")
+    src = SatCheckpoint(checkpoint, iteration, lora_alpha)
+    code = check_hf_code(hf_code, src.config["model_class"]) if hf_code else []
+    layers = src.config["num_layers"]
+    dtypes = {k: src.saved(k).dtype for k in src.keys()}
+    items = sorted(((hf, tuple(src.like[sat].shape), dtypes[sat]) for hf, sat in names.hf_items(src.keys(), layers)),
+                   key=lambda item: _natural(item[0]))
+    to_sat = dict((hf, sat) for hf, sat in names.hf_items(src.keys(), layers))
+    shards = stream.shard_plan(items, max_shard_bytes)
+    n = len(shards)
+    weight_map, total = {}, 0
+    dtype_name = str(src.dtype()).replace("torch.", "")
+    config = names.hf_config(src.config, dtype_name)
+
+    def produce(hf_name: str) -> torch.Tensor:
+        t = src.tensor(to_sat[hf_name])
+        return t.clone() if to_sat[hf_name] == names.INV_FREQ else t
+
+    with stream.new_folder(out, overwrite) as tmp:
+        for i, plan in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{n:05d}.safetensors"
+            total += stream.write_safetensors(os.path.join(tmp, file), plan, produce, src.release)
+            weight_map.update({name: file for name, _, _ in plan})
+        stream.write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                          {"metadata": {"total_size": total}, "weight_map": weight_map})
+        stream.write_json(os.path.join(tmp, "config.json"), config)
+        stream.write_json(os.path.join(tmp, "generation_config.json"), names.generation_config(config))
+        for f in code:
+            shutil.copy2(f, tmp)
+    return {"model_class": src.config["model_class"], "shards": n, "bytes": total, "tensors": len(weight_map),
+            "mp_size": src.ckpt.mp_size, "lora_layers": len(src.loras), "adapter_only": src.base is not None}
