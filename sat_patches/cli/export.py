@@ -45,7 +45,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
-    import sat_patches  # noqa: F401  (before SAT: it makes `import sat` work here)
     from ..checkpoints.files import CheckpointError
     from ..checkpoints.safe_load import UnsafeCheckpointError
     try:
@@ -83,11 +82,7 @@ def import_main(argv: Optional[List[str]] = None) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: main(a.rest))
-    q = sub.add_parser("import", help="a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)",
-                       add_help=False)
-    q.add_argument("rest", nargs=argparse.REMAINDER)
-    q.set_defaults(func=lambda a: import_main(a.rest))
+    """``export`` and ``import`` in ``sat-patches --help``; :mod:`sat_patches.cli.main` hands their arguments to
+    :func:`main` and :func:`import_main`."""
+    sub.add_parser("export", help="a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)")
+    sub.add_parser("import", help="a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)")

@@ -24,7 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# verbs with their own argument parser: everything after the verb is theirs (``sat-patches export --help``)
+OWN_PARSER = {"export": export.main, "import": export.import_main}
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in OWN_PARSER:
+        return OWN_PARSER[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
