@@ -4,8 +4,8 @@
 
 1. For each model and model-parallel size: the LM head (SAT's ColumnParallelLinear gathering the full
    vocabulary) with the fine-tuning loss, forward and backward, at batch 1 and the demo's max_length, in
-   bf16 (``sat_patches.testing.live_bytes``); beside it the plan's "logits and loss" term.
-2. One layer of each kind of the real CogVLM / CogAgent at full size (``sat_patches.testing.layer_bytes``:
+   bf16 (``benchmarks/calibration/live_bytes.py``); beside it the plan's "logits and loss" term.
+2. One layer of each kind of the real CogVLM / CogAgent at full size (``benchmarks/calibration/layer_bytes.py``:
    the vision-expert language layer, with CogAgent's cross attention; the EVA2-CLIP-E layer; CogAgent's
    EVA2-CLIP-L encoder layer), with and without activation checkpointing, at MP 1, 2 and 4, training LoRA
    (and what upstream's demo trains), against the plan's step per layer.
@@ -20,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration"))  # layer_bytes, live_bytes
 
 
 LAYERS = [(256, 512, 4, 120, "bfloat16"), (256, 1024, 4, 120, "bfloat16"), (512, 512, 8, 240, "bfloat16"),
@@ -35,7 +36,7 @@ def layer_table() -> bool:
     with tempfile.TemporaryDirectory(prefix="satp-calibration-") as tmp:
         tiny = prepare_tiny_run(tmp, "cogvlm", n_train=1, n_valid=1)
         shapes = [(h, f, heads, t, getattr(torch, d)) for h, f, heads, t, d in LAYERS]
-        [r] = run_ranks("sat_patches.testing.live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=600)
+        [r] = run_ranks("live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=600)
     if not r.ok:
         print((r.exception or r.output)[-3000:])
         return False
@@ -54,7 +55,7 @@ HEADER_MB = f"{'measured MB':>12}{'plan MB':>10}{'ratio':>8}"
 def full_size_tables() -> bool:
     from sat_patches.cogvlm.shapes import upstream_config
     from sat_patches.finetune import DEMO_TRAINABLE
-    from sat_patches.testing.layer_bytes import (layer_bytes, planned_activations, planned_layer_bytes,
+    from layer_bytes import (layer_bytes, planned_activations, planned_layer_bytes,
                                                  released_layers, step_peak)
     ok = True
     print(f"\n{'full-size layer (model, kind, train, MP, checkpointing)':<60}{HEADER_MB}")
@@ -87,7 +88,7 @@ def full_size_tables() -> bool:
 
 
 def main() -> int:
-    from sat_patches.testing.live_bytes import head_and_loss_peak
+    from live_bytes import head_and_loss_peak
     from sat_patches.planning import estimator as plan
     print(f"{'model':<18}{'MP':>4}{'tokens':>8}{'measured GB':>13}{'plan GB':>10}{'plan / measured':>17}")
     ok = True

@@ -4,13 +4,19 @@ import sys
 import pytest
 
 # tests/support: helpers the tests share (and the ranks they start, which inherit this sys.path)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+# benchmarks/calibration: the plan's calibration tools, which the calibration tests run
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "support"), os.path.join(os.path.dirname(HERE), "benchmarks", "calibration")]
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
+    # ranks fork from a server that imported torch and SAT once (about 1 s a rank instead of 7)
+    import zygote
+    from sat_patches.testing import multirank
+    multirank.set_rank_starter(zygote.start)
     # The test process runs with every patch applied, as a user's process that imported sat_patches and
     # SAT does (``import sat_patches`` alone defers them until SAT is imported). An xdist controller
     # runs no test: it skips the SAT import.

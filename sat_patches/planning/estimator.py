@@ -18,7 +18,7 @@ ranks; bf16/fp16 unless fp32):
 * activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
   else every layer's working set, per kind of layer (the vision-expert LLaMA layer, with CogAgent's cross
   attention; the EVA2-CLIP-E layer) as measured on the real model at full size
-  (``sat_patches.testing.layer_bytes``, ``benchmarks/plan_calibration.py``); the logits of the full
+  (``benchmarks/calibration/layer_bytes.py``, ``benchmarks/plan_calibration.py``); the logits of the full
   vocabulary on every rank (the LM head gathers them) as the loss's four fp32 tensors; the EVA tower's
   activations when any of its weights train (LoRA on EVA does).
 * a fixed runtime share: CUDA context, NCCL and allocator slack on a GPU; the Python/torch/SAT/
@@ -293,7 +293,7 @@ class LayerKeeps:
     (input, norms, residual, routing copies), of the hidden size split over the ranks (qkv, rotary, context,
     expert outputs), of its MLP width (split); plus one fp32 log-sum-exp per local head: SAT runs CogVLM's
     causal and EVA's full attention through ``scaled_dot_product_attention``, whose fused kernels keep no
-    score matrix. Measured on the real model at full size (``sat_patches.testing.layer_bytes``)."""
+    score matrix. Measured on the real model at full size (``benchmarks/calibration/layer_bytes.py``)."""
     whole: float
     split: float
     ffn: float
@@ -349,7 +349,7 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     out = {"activations (language)": _stack([one] * L, b * t * h * wb, s.checkpoint_activations)}
     # the LM head gathers its output (ColumnParallelLinear, gather_output=True): every rank holds the full vocabulary;
     # at the loss's peak four fp32 (b, t, vocab) tensors are alive: the logits, their shifted copy, the log-softmax
-    # and its gradient (sat_patches.testing.live_bytes on the head and loss, at MP 1 and 2)
+    # and its gradient (benchmarks/calibration/live_bytes.py on the head and loss, at MP 1 and 2)
     out["logits and loss"] = b * t * c["vocab_size"] * 4 * 4
     e = c.get("eva_args")
     if e:

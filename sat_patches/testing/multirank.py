@@ -5,10 +5,10 @@ MASTER_ADDR/PORT on loopback) and ``OMP_NUM_THREADS=1``. ``patches`` selects wha
 imports first: ``True`` (every patch), ``"stock"`` (stock SAT plus only the CPU stand-ins a GPU
 user does not need: see :data:`CPU_STANDINS`), or an iterable of patch names to disable.
 
-Ranks are forked from a fork server that has imported torch/SAT/DeepSpeed once (see
-:mod:`sat_patches.testing.zygote` for when a rank gets a fresh process instead: ``fresh=True``,
-``SAT_PATCHES_TEST_FRESH=1``, or an environment that changes import-time behaviour). Both kinds are
-started in their own session, timed out and killed alike; ``RankResult.forked`` tells which it was.
+Each rank is a fresh ``python -m sat_patches.testing._rank_main`` process, unless a faster starter was set
+with :func:`set_rank_starter` (this project's test suite forks ranks from a server that has imported
+torch/SAT/DeepSpeed once). Both kinds are started in their own session, timed out and killed alike;
+``RankResult.forked`` tells which it was.
 """
 from __future__ import annotations
 
@@ -66,16 +66,28 @@ def _patch_env(patches) -> dict:
     return {"SAT_PATCHES_IMPORT": "1", "SAT_PATCHES_DISABLE": ",".join(patches)}
 
 
+# (cmd, env, stdout path, stderr path, base env, fresh) -> (a started process, None) or (None, why not)
+RankStarter = Callable[[List[str], dict, str, str, dict, bool], tuple]
+_starter: Optional[RankStarter] = None
+
+
+def set_rank_starter(starter: Optional[RankStarter]) -> None:
+    """Start ranks with ``starter`` where it can (it returns ``(process, None)``, or ``(None, reason)`` for a
+    fresh process); None: every rank a fresh process."""
+    global _starter
+    _starter = starter
+
+
 def _launch(cmds: Sequence[List[str]], envs: Sequence[dict], timeout: float, workdir: str,
             fresh: bool = False) -> List[RankResult]:
-    from . import zygote
     procs, files, reasons = [], [], []
     base = _base_env()
     for rank, (cmd, env) in enumerate(zip(cmds, envs)):
         out = open(os.path.join(workdir, f"rank{rank}.out"), "w+")
         err = open(os.path.join(workdir, f"rank{rank}.err"), "w+")
         files.append((out, err))
-        forked, reason = zygote.start(cmd, env, out.name, err.name, base, fresh=fresh)
+        forked, reason = (_starter(cmd, env, out.name, err.name, base, fresh) if _starter
+                          else (None, "no rank starter set"))
         reasons.append(reason)
         procs.append(forked or subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
     deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ import pytest
 import sat_patches
 from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, expect_names, expect_params
 from sat_patches.testing import patches_removed
-from sat_patches.testing.zygote import run_before_sat
+from zygote import run_before_sat
 
 STATUS_SNIPPET = "import json, sat_patches; print('STATUS' + json.dumps(sat_patches.status()))"
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from sat_patches.testing.isolated import dependencies_without_us, tracked_copy
+from isolated import dependencies_without_us, tracked_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

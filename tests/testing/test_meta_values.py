@@ -3,7 +3,7 @@ boolean routing run at full size without memory."""
 import pytest
 import torch
 
-from sat_patches.testing.meta_values import SHADOW_LIMIT, MetaValues
+from meta_values import SHADOW_LIMIT, MetaValues
 
 
 def test_value_checks_and_boolean_indexing_run_on_meta_with_the_inputs_values():

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from sat_patches.testing import multirank, run_ranks, run_script, zygote
+import zygote
+from sat_patches.testing import multirank, run_ranks, run_script
 
 pytestmark = pytest.mark.multirank
 

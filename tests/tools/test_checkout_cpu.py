@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from sat_patches.testing.fake_checkout import write_fake_checkout
+from fake_checkout import write_fake_checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = {"cogvlm": os.path.join(ROOT, "finetune_examples", "finetune_cogvlm.sh"),

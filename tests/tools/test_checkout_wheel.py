@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sat_patches.testing.isolated import dependencies_without_us, tracked_copy
+from isolated import dependencies_without_us, tracked_copy
 
 from test_checkout_cpu import assert_checkout_cpu_run_succeeded
 
@@ -51,7 +51,7 @@ def wheel_env(tmp_path_factory):
 def _checkout(python, env, dest):
     """The synthetic checkout (written by the installed package) with only finetune_cogvlm.sh added,
     written there by ``sat-patches scripts``."""
-    code = ("import sys; from sat_patches.testing.fake_checkout import write_fake_checkout; "
+    code = ("import sys; from fake_checkout import write_fake_checkout; "
             "write_fake_checkout(sys.argv[1])")
     subprocess.run([python, "-c", code, str(dest)], check=True, env=env, timeout=300)
     scripts = dest.parent / "scripts"

@@ -1,13 +1,13 @@
 """The plan's terms against the bytes the code allocates, counted on meta tensors at full size
-(``sat_patches.testing.live_bytes``): the counter itself, the LM head with its loss, one layer of each kind
-of the real CogVLM / CogAgent (``sat_patches.testing.layer_bytes``) with and without activation
+(``benchmarks/calibration/live_bytes.py``): the counter itself, the LM head with its loss, one layer of each kind
+of the real CogVLM / CogAgent (``benchmarks/calibration/layer_bytes.py``) with and without activation
 checkpointing at model-parallel sizes 1 and 2 (``test_plan_whole_step.py``: a whole training step)."""
 import pytest
 import torch
 
 from sat_patches.cogvlm.shapes import upstream_config
-from sat_patches.testing.layer_bytes import layer_bytes, planned_layer_bytes
-from sat_patches.testing.live_bytes import LiveBytes, head_and_loss_peak
+from layer_bytes import layer_bytes, planned_layer_bytes
+from live_bytes import LiveBytes, head_and_loss_peak
 from sat_patches.planning import estimator as plan
 
 
@@ -49,7 +49,7 @@ def layers_measured(tmp_path_factory):
     from sat_patches.testing import run_ranks
     tiny = prepare_tiny_run(str(tmp_path_factory.mktemp("calibration")), "cogvlm", n_train=1, n_valid=1)
     shapes = [(h, f, heads, t, getattr(torch, dtype)) for h, f, heads, t, dtype in SHAPES]
-    [r] = run_ranks("sat_patches.testing.live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=300)
+    [r] = run_ranks("live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=300)
     assert r.ok, (r.exception or "") + r.output[-3000:]
     return dict(zip(SHAPES, r.result))
 

@@ -1,12 +1,12 @@
 """The plan's activation terms against a whole training step of the released model at full size, on meta
-(``sat_patches.testing.layer_bytes.step_peak``): every layer, activation checkpointing on as the scripts
+(``benchmarks/calibration/layer_bytes.py.step_peak``): every layer, activation checkpointing on as the scripts
 set it, for the scripts' ``TRAINABLE=lora`` (``benchmarks/plan_calibration.py`` prints ``demo`` too; its
 layers are tested one by one in ``test_plan_calibration.py``)."""
 import pytest
 
 from sat_patches.cogvlm.shapes import upstream_config
 from sat_patches.finetune import DEMO_TRAINABLE
-from sat_patches.testing.layer_bytes import planned_activations, released_layers, step_peak
+from layer_bytes import planned_activations, released_layers, step_peak
 
 pytestmark = pytest.mark.slow
 

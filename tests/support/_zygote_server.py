@@ -1,4 +1,4 @@
-"""The fork server ("zygote") of :mod:`sat_patches.testing.zygote`: one long-lived process that has
+"""The fork server ("zygote") of zygote.py (tests/support): one long-lived process that has
 imported torch, SAT, DeepSpeed and bitsandbytes once, and forks a rank for each request.
 
 Started as ``python -c <loader> <this file> <request fd> <reply fd>`` so that the ``sat_patches``

@@ -27,7 +27,7 @@ PLAN_TERMS = {"language": "activations (language)", "eva": "activations (EVA)", 
 
 def released_layers(config: dict) -> Dict[str, int]:
     """How many layers of each kind the model of ``config`` has (CogAgent's encoder: the code's default)."""
-    from ..planning.estimator import plan_config
+    from sat_patches.planning.estimator import plan_config
     c = plan_config(config)
     return {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
             "encoder": c.get("encoder_args", {}).get("layers", 1)}
@@ -100,11 +100,11 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     (``sat_patches.finetune.DEMO_TRAINABLE``: what upstream's demo trains). Weights and inputs made before the
     step are not counted, nor are the parameters' gradients (dropped as soon as each is complete)."""
     from sat.model.finetune.lora2 import LoraMixin
-    from ..runtime import devices
-    from ..planning.estimator import default_seq_len, plan_config
-    from ..cogvlm.on_meta import build_on_meta, collectives_as_shapes, model_parallel_as
-    from .live_bytes import LiveBytes
-    from .meta_values import MetaValues
+    from sat_patches.runtime import devices
+    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.cogvlm.on_meta import build_on_meta, collectives_as_shapes, model_parallel_as
+    from live_bytes import LiveBytes
+    from meta_values import MetaValues
     config = _with_layers(plan_config(config), layers)
     tokens = tokens or default_seq_len(config)
     with devices.use_device("meta"), model_parallel_as(mp), collectives_as_shapes(mp), fused_attention():
@@ -149,7 +149,7 @@ def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str,
     for the model :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's
     ``--train``."""
     import copy
-    from ..planning import estimator as plan
+    from sat_patches.planning import estimator as plan
     c = _with_layers(copy.deepcopy(plan.plan_config(config)), layers)
     setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
                        train=train)

@@ -188,6 +188,6 @@ def write_fake_checkout(dest: str) -> str:
         _write(os.path.join(dest, "finetune_demo", f"finetune_{kind}_demo.py"),
                DEMO.format(kind=kind, **{k: v for k, v in spec.items() if k != "base"}))
     _write(os.path.join(dest, "README.md"), textwrap.dedent("""\
-        Synthetic CogVLM checkout written by sat_patches.testing.fake_checkout for tests.
+        Synthetic CogVLM checkout written by the test suite (tests/support/fake_checkout.py).
         """))
     return dest

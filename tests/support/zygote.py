@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
-from ..core import settings
+from sat_patches.core import settings
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_server.py")
 LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
