@@ -98,7 +98,8 @@ def spawn(part: str, opts, json_path: str, scratch: str) -> dict:
     """Run ``part`` in a child process within its time limit; its rows, plus one for a crash or timeout."""
     title, allowed = PARTS[part]
     limit = allowed * opts.time_scale
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--part-json", json_path, "--scratch", scratch]
+    isolated = ["-S"] if sys.flags.no_site else []  # a run that sees only some packages: so do its parts
+    cmd = [sys.executable, *isolated, os.path.abspath(__file__), "--part", part, "--part-json", json_path, "--scratch", scratch]
     if opts.tiny:
         cmd.append("--tiny")
     env = dict(os.environ, PYTHONUNBUFFERED="1")

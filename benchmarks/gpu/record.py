@@ -8,6 +8,7 @@ rows to its JSON file as each one ends, so a part stopped at its time limit keep
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.machinery
 import json
@@ -118,6 +119,9 @@ def placeholder(name: str) -> types.ModuleType:
     module.__sat_patches_placeholder__ = True
 
     def missing(attr):
+        if attr.startswith("__"):  # what importers and inspect probe (__file__, __path__, ...)
+            raise AttributeError(f"placeholder module {name!r} has no attribute {attr!r}")
+
         def call(*args, **kwargs):
             raise ImportError(f"{name}.{attr}: {name} is not installed on this machine (the GPU proof does "
                               f"not use it)")
@@ -138,14 +142,19 @@ def stand_in_unused() -> List[str]:
 
 
 def stood_in() -> List[str]:
-    return sorted(n for n, m in sys.modules.items() if getattr(m, "__sat_patches_placeholder__", False))
+    return sorted(n for n, m in list(sys.modules.items()) if getattr(m, "__dict__", {}).get("__sat_patches_placeholder__", False))
+
+
+@functools.lru_cache(maxsize=1)
+def _owners() -> dict:
+    import importlib.metadata as metadata
+    return metadata.packages_distributions()
 
 
 def imported_distributions() -> List[str]:
     """The installed distributions whose top-level modules this process has imported (what the GPU machine
     must have, or have carried to it)."""
-    import importlib.metadata as metadata
-    owners = metadata.packages_distributions()
+    owners = _owners()
     names = set()
     for module in list(sys.modules):
         for dist in owners.get(module.partition(".")[0], []):
