@@ -73,7 +73,7 @@ The device call (tool `device`, verb `run`; leave `kind` out: one H100 is enough
   command:
 CALL
 cat <<'COMMAND'
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 570 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD 2>&1 | tee $OUT/proof.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD 2>&1 | tee $OUT/proof.log
 COMMAND
 echo
 echo "Afterwards: copy the table (proof.log's end) and proof.json's machine into BENCHMARKS.md's 'GPU proof kit'."

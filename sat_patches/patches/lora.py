@@ -364,13 +364,18 @@ def nf4_as_loaded(model: nn.Module, args):
     inside = {id(m) for root in qlora_base(model) for m in root.modules()}
     done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
 
+    def converts(module) -> bool:
+        """Whether ``module`` becomes NF4 once loaded (the loader copies its weights instead of lending them)."""
+        return id(module) in inside and isinstance(module, FLOAT_LINEARS) and not isinstance(module, Linear4bit)
+
     def after(module, prefix):
-        if id(module) not in inside or not isinstance(module, FLOAT_LINEARS) or isinstance(module, Linear4bit):
+        if not converts(module):
             return
         parent, _, name = prefix.rstrip(".").rpartition(".")
         if id(module) not in done:
             done[id(module)] = quantize_nf4(module)
         setattr(model.get_submodule(parent), name, done[id(module)])
+    after.converts = converts
     return after
 
 
