@@ -63,7 +63,7 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
     if tiny:
         os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
     import sat_patches  # noqa: F401  (before SAT: the patches go on when SAT is imported)
-    rec = Recorder(part, json_path)
+    rec = Recorder(part, json_path, extra={"machine": machine()})  # CUDA starts in the parts only
     rec.save()
     if part == "c":
         import cuda_paths
@@ -82,6 +82,8 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
 # --------------------------------------------------------------------------------------
 
 def machine() -> dict:
+    """Python, torch, and the GPU (a part's process: the parent leaves CUDA alone, so no context of its own
+    holds GPU memory while the parts run)."""
     info = {"python": platform.python_version(), "host": platform.node()}
     try:
         import torch
@@ -139,10 +141,11 @@ def main(argv=None) -> int:
         run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir())
         return 0
     os.makedirs(opts.out, exist_ok=True)
-    result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "parts": {}}
+    result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {}, "parts": {}}
     with tempfile.TemporaryDirectory(prefix="sat-patches-proof-", dir=opts.scratch) as scratch:
         for part in opts.parts:
             result["parts"][part] = spawn(part, opts, os.path.join(scratch, f"part_{part}.json"), scratch)
+            result["machine"] = result["machine"] or result["parts"][part].get("machine", {})
             result["rows"] = [r for p in result["parts"].values() for r in p["rows"]]
             write_json(os.path.join(opts.out, "proof.json"), result)
     rows = result["rows"]

@@ -46,6 +46,7 @@ class Recorder:
     part: str
     path: Optional[str] = None          # the part's JSON file, rewritten after every row
     rows: List[Row] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # more keys of the part's JSON (the machine it ran on)
 
     @contextlib.contextmanager
     def check(self, name: str, expected: str = ""):
@@ -76,10 +77,10 @@ class Recorder:
         self.save()
         print(f"[{self.part}] {row.check}: {row.status} {row.measured} {row.detail}".rstrip(), flush=True)
 
-    def save(self, **extra) -> None:
+    def save(self) -> None:
         if self.path:
             data = {"part": self.part, "rows": [asdict(r) for r in self.rows], "imports": imported_distributions(),
-                    "stood_in": stood_in(), **extra}
+                    "stood_in": stood_in(), **self.extra}
             tmp = self.path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
@@ -94,8 +95,9 @@ def _fail(row: Row, exc: BaseException) -> None:
 
 
 def cuda() -> bool:
+    """Whether the proof runs on CUDA (not with ``--tiny``, which sets ``SAT_PATCHES_DEVICE=cpu``)."""
     import torch
-    return torch.cuda.is_available()
+    return os.environ.get("SAT_PATCHES_DEVICE", "") != "cpu" and torch.cuda.is_available()
 
 
 def require_cuda() -> None:

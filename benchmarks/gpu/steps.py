@@ -162,7 +162,7 @@ def plan_row(config: dict, gpu_gb: int, qlora: bool, tokens: int):
     return best, allocated
 
 
-def free(*names) -> None:
+def free() -> None:
     import torch
     gc.collect()
     if torch.cuda.is_available():
@@ -176,6 +176,7 @@ def _step_row(rec: Recorder, label: str, config: dict, tokens: int, micro_batch:
     import torch
     dev = device()
     expected = f"plan {gb(planned)} allocated" if cuda() else ""
+    model = None
     with rec.check(label, expected=expected) as row:
         model = build()
         checkpointing(model)
@@ -186,7 +187,7 @@ def _step_row(rec: Recorder, label: str, config: dict, tokens: int, micro_batch:
         if result["peak"] is not None:
             row.measured = f"max allocated {gb(result['peak'])} ({result['peak'] / planned:.2f}x plan); " + row.measured
         assert all(torch.isfinite(torch.tensor(result["losses"]))), result["losses"]
-        del model
+    model = None  # noqa: F841 (also when the step failed: the next model needs the memory)
     if after is not None:
         after()
     free()
