@@ -6,12 +6,12 @@
 Parts, each in its own process with its own time limit, so one that fails, runs out of memory or
 hangs cannot hide the others (order c, a, b: the quick checks first):
 
-c. CUDA paths (``cuda_paths.py``): triton rotary == torch fallback, xformers stand-in == math, LoRA and
+c. CUDA paths (``proof_cuda.py``): triton rotary == torch fallback, xformers stand-in == math, LoRA and
    mixins on the device in bf16, CUDA RNG tracker restored bit for bit, the ledger's CUDA figures,
    ``cpu:gloo,cuda:nccl`` at world size 1.
 a. Full-size CogVLM-17B and CogAgent-18B LoRA steps beside the plan's 1 x 80 GB row, sat_patches and stock SAT
-   (``steps.py``).
-b. QLoRA from a bf16 checkpoint on local disk beside the plan's 1 x 24 GB row (``steps.py``).
+   (``proof_steps.py``).
+b. QLoRA from a bf16 checkpoint on local disk beside the plan's 1 x 24 GB row (``proof_steps.py``).
 
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
@@ -58,7 +58,7 @@ def options(argv=None) -> argparse.Namespace:
 
 def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
     sys.path[:0] = [HERE, ROOT]
-    from record import Recorder, stand_in_unused
+    from proof_record import Recorder, stand_in_unused
     stand_in_unused()
     if tiny:
         os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
@@ -66,14 +66,14 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
     rec = Recorder(part, json_path, extra={"machine": machine()})  # CUDA starts in the parts only
     rec.save()
     if part == "c":
-        import cuda_paths
-        cuda_paths.run(rec, tiny)
+        import proof_cuda
+        proof_cuda.run(rec, tiny)
     elif part == "a":
-        import steps
-        rec.guarded(steps.full_size_steps, tiny)
+        import proof_steps
+        rec.guarded(proof_steps.full_size_steps, tiny)
     elif part == "b":
-        import steps
-        rec.guarded(steps.qlora, tiny, scratch)
+        import proof_steps
+        rec.guarded(proof_steps.qlora, tiny, scratch)
     rec.save()
 
 

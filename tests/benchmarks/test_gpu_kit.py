@@ -131,3 +131,23 @@ def test_parts_c_and_b_pass_on_cpu_and_skip_what_needs_cuda(tmp_path):
     assert rows["QLoRA: NF4 weights == bitsandbytes' own quantisation"]["status"] == "ok"
     assert rows["QLoRA: 2 steps at the plan's micro-batch for 1 x 24 GB"]["status"] == "ok"
     assert all(rows[f"{k}: LoRA and every mixin on cpu in bf16"]["status"] == "ok" for k in ("cogvlm", "cogagent"))
+
+
+def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(monkeypatch):
+    """Part a's figures must not be lost to SAT's triton kernel on a triton release it was not written for."""
+    sys.path[:0] = [KIT]
+    import sat.model.position_embedding.triton_rotary_embeddings as rotary_embeddings
+    import proof_steps as steps
+    from proof_record import Recorder, Row
+    from sat_patches.patches.rotary_kernel import apply_rotary
+    kernels = []
+
+    def one_step(rec, label, *args):
+        kernels.append(rotary_embeddings.apply_rotary)
+        failed = len(kernels) == 1
+        return Row("a", label, "FAIL" if failed else "ok", detail="CompilationError: triton ..." if failed else "")
+    monkeypatch.setattr(steps, "_one_step", one_step)
+    row = steps._step_row(Recorder("a"), "cogvlm step", {}, 8, 1, 1.0, build=None)
+    assert row.status == "ok" and "torch rotary kernel" in row.check
+    assert kernels[0] is not apply_rotary and kernels[1] is apply_rotary
+    assert rotary_embeddings.apply_rotary is kernels[0]  # put back afterwards

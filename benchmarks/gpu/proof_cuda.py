@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from record import Recorder, Skip, cuda, device, require_cuda
+from proof_record import Recorder, Skip, cuda, device, require_cuda
 
 
 def rotary(rec: Recorder) -> None:
@@ -72,7 +72,7 @@ def placement(rec: Recorder) -> None:
     """Every parameter and floating buffer of tiny CogVLM/CogAgent, their mixins and LoRA on the compute
     device in bf16, built through sat_patches' construction path."""
     import torch
-    from steps import add_lora, build_model, tiny_config
+    from proof_steps import add_lora, build_model, tiny_config
     dev = device()
     for kind in ("cogvlm", "cogagent"):
         with rec.check(f"{kind}: LoRA and every mixin on {dev.type} in bf16", expected=f"all on {dev.type}, bf16") as row:
