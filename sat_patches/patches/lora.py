@@ -354,7 +354,8 @@ def nf4_as_loaded(model: nn.Module, args):
     :func:`qlora_base` into NF4 on the compute device as soon as it is loaded, so the float model
     never exists whole on the device: the peak is the NF4 model plus one linear in float
     (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
-    wraps these NF4 bases as they are. None for other runs."""
+    wraps these NF4 bases as they are. The callback's ``converts(module)`` tells the loader which modules
+    it converts (their weights are copied, not lent from the mapped file). None for other runs."""
     if not qlora_run(args) or not hasattr(model, "transformer"):
         return None
     if get_model_parallel_world_size() > 1:
