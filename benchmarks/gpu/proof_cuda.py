@@ -97,7 +97,9 @@ def rng_tracker(rec: Recorder) -> None:
         import numpy as np
         import torch
         from sat import mpu
+        from proof_steps import model_parallel
         from sat_patches.checkpoints.state import model_parallel_rng_tracker, restore_rng
+        model_parallel()  # SAT's groups and seeds (its set_random_seed seeds the tracker on CUDA)
         tracker = model_parallel_rng_tracker()
         if tracker is None:
             raise AssertionError("sat.mpu.get_cuda_rng_tracker is None although CUDA is present")
