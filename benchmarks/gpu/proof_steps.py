@@ -310,6 +310,9 @@ def qlora(rec: Recorder, tiny: bool, scratch: str) -> None:
 
 
 def _with_lora(model, add):
+    """``model`` with the demo's QLoRA adapters (added once: a step run again keeps them)."""
+    if "lora" in model.mixins:
+        return model
     add(model, argparse.Namespace(use_qlora=True, num_layers=len(model.transformer.layers), lora_rank=LORA_RANK,
                                   layer_range=None))
     for name, p in model.named_parameters():
