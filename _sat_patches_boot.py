@@ -5,7 +5,7 @@ written in plain torch, so that ``import sat`` (and CogVLM's model code) work be
 ``import sat_patches`` too, on a machine without them:
 
 * ``sat.model.position_embedding.triton_rotary`` imports ``triton`` at module level, so ``import
-  sat`` fails without triton: served from ``sat_patches/patches/rotary_kernel.py`` (patch
+  sat`` fails without triton: served from ``sat_patches/kernels/rotary.py`` (patch
   ``triton_rotary_import``) when triton is not installed. Only SAT's module is substituted: a fake
   top-level ``triton`` would break ``torch._inductor``.
 * ``xformers`` (CUDA wheels only): CogVLM's EVA2-CLIP attention calls
@@ -25,7 +25,7 @@ XFORMERS = "xformers"
 
 # module served -> (patch name, the real module whose absence calls for it, stand-in file under sat_patches/)
 STANDINS = {
-    TRITON_ROTARY: (PATCH_NAME, "triton", ("patches", "rotary_kernel.py")),
+    TRITON_ROTARY: (PATCH_NAME, "triton", ("kernels", "rotary.py")),
     XFORMERS: ("xformers_standin", "xformers", ("standins", "xformers", "__init__.py")),
 }
 

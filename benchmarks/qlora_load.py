@@ -13,7 +13,8 @@ and this is what the device holds). The target is on the latter. Variants, each 
 * stock SAT;
 * sat_patches loading the float model and quantising afterwards (``use_qlora`` not set while loading:
   what sat_patches did before QLoRA runs streamed);
-* sat_patches as a QLoRA run: each linear becomes NF4 as it is loaded (target <= 0.5x).
+* sat_patches as a QLoRA run: each linear becomes NF4 as it is loaded, what stays bf16 is lent from the
+  mapped file as in any CPU load (target: peak anon <= 0.42x).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ FULL = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=3
             num_vision_layers=1)
 SMALL = dict(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=4096, inner_hidden_size=512,
              num_vision_layers=1)
-TARGET = 0.5
+TARGET = 0.42
 # glibc serves allocations below its (self-raising) mmap threshold from the heap and keeps what is
 # freed there: RssAnon would count freed float layers. A fixed threshold returns every freed tensor.
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -58,7 +59,24 @@ def measure(path: str, stream: bool) -> dict:
         return dict(extra=proc_status_bytes("VmHWM") - baseline, anon=anon.peak - anon_baseline,
                     failed=f"{type(exc).__name__}: {exc}"[:160])
     nf4 = sum(1 for m in model.modules() if getattr(getattr(m, "weight", None), "quant_type", None) == "nf4")
-    return dict(extra=proc_status_bytes("VmHWM") - baseline, anon=anon.peak - anon_baseline, failed=None, nf4=nf4)
+    return dict(extra=proc_status_bytes("VmHWM") - baseline, anon=anon.peak - anon_baseline, failed=None, nf4=nf4,
+                held=held_bytes(model))
+
+
+def held_bytes(model) -> int:
+    """Bytes of every tensor storage the loaded model holds (NF4 codes and statistics included), wherever
+    they are: in this process's memory or lent from the mapped file. On a GPU the device holds all of them."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    for w in model.parameters():
+        state = getattr(w, "quant_state", None)
+        if state is not None:
+            tensors += [state.absmax] + ([state.state2.absmax] if getattr(state, "state2", None) else [])
+    for t in tensors:
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 class AnonPeak:
@@ -92,7 +110,8 @@ def main(argv=None) -> int:
             return 1
         path, size = saved
         print(f"bf16 checkpoint: {size / 2**30:.3f} GiB ({cfg})\n")
-        print(f"{'variant':<46}{'peak RSS - idle':>17}{'/ ckpt':>8}{'peak anon - idle':>18}{'/ ckpt':>8}  outcome")
+        print(f"{'variant':<46}{'peak RSS - idle':>17}{'/ ckpt':>8}{'peak anon - idle':>18}{'/ ckpt':>8}"
+              f"{'model holds':>13}{'/ ckpt':>8}  outcome")
         ok = True
         for name, patches, stream in (("stock SAT", "stock", False),
                                       ("sat_patches, float load then quantise", True, False),
@@ -105,8 +124,9 @@ def main(argv=None) -> int:
                 continue
             m = r.result
             outcome = f"failed: {m['failed']}" if m["failed"] else f"{m['nf4']} NF4 linears"
+            held = f"{m['held'] / 2**30:>9.3f} GiB{m['held'] / size:>8.2f}" if "held" in m else f"{'':>21}"
             print(f"{name:<46}{m['extra'] / 2**30:>13.3f} GiB{m['extra'] / size:>8.2f}{m['anon'] / 2**30:>14.3f} GiB"
-                  f"{m['anon'] / size:>8.2f}  {outcome}")
+                  f"{m['anon'] / size:>8.2f}{held}  {outcome}")
             if stream and (m["failed"] or m["anon"] / size > TARGET):
                 ok = False
         print(f"\nQLoRA run within {TARGET}x" if ok else f"\nTHE QLoRA RUN MISSES {TARGET}x")

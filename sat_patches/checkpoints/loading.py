@@ -59,8 +59,16 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
         adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
         convert = nf4_as_loaded(module, args)
-        # layers converted as they load (QLoRA's NF4) are copied: lent, their pages would stay mapped after it
-        missing, unexpected = load_state(module, source, after=convert, lend=convert is None)
+        # linears converted as they load (QLoRA's NF4) are copied: lent, their pages would stay mapped after
+        # it; what stays as saved is lent as in any load (a converter that does not say what it converts:
+        # everything is copied)
+        converts = getattr(convert, "converts", None)
+        if convert is None or converts is None:
+            lend = convert is None
+        else:
+            def lend(module):
+                return not converts(module)
+        missing, unexpected = load_state(module, source, after=convert, lend=lend)
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
         missing = [k for k in missing if adapter.is_adapter(k)]
     else:

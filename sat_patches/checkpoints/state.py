@@ -93,12 +93,12 @@ def _resolve(model: torch.nn.Module, key: str):
 
 
 def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
-               lend: bool = True) -> Tuple[List[str], List[str]]:
+               lend=True) -> Tuple[List[str], List[str]]:
     """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
     where a tensor is still on meta (attributes such as ``model_parallel`` are kept), the assigned
     tensor lent from the mapped file where it can be (:meth:`ShardedSource.materialised`; ``lend``
-    False copies every one). ``after(module, prefix)``, when given, runs as each module is complete
-    (its children loaded). Returns (missing_keys, unexpected_keys)."""
+    False copies every one, a callable ``lend(module)`` decides per module). ``after(module, prefix)``,
+    when given, runs as each module is complete (its children loaded). Returns (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
     # id(meta tensor) -> (it, its replacement): shared (tied) tensors are loaded once. The replacement
     # by weak reference: a layer converted as it is loaded (QLoRA's NF4) frees its float weights at once
@@ -119,7 +119,8 @@ def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
                 new = loaded
                 source.used.add(key)
             elif t.is_meta:
-                new = source.materialised(key, t, split_of(model, key, module, name), target, lend)
+                lent = lend(module) if callable(lend) else lend
+                new = source.materialised(key, t, split_of(model, key, module, name), target, lent)
                 if is_param:
                     new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                     new.__dict__.update(t.__dict__)

@@ -131,7 +131,9 @@ def nf4_as_loaded(model: nn.Module, args):
     never exists whole on the device: the peak is the NF4 model plus one linear in float
     (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
     wraps these NF4 bases as they are; a model whose constructor added ``LoraMixin(qlora=True)`` (built on
-    meta, its LoRA bases still float) has those bases quantised here as they arrive. None for other runs."""
+    meta, its LoRA bases still float) has those bases quantised here as they arrive. The callback's
+    ``converts(module)`` tells the loader which modules it converts (their weights are copied, not lent from
+    the mapped file). None for other runs."""
     qlora_mixin = any(getattr(m, "qlora", False) for m in getattr(model, "mixins", {}).values())
     if not (qlora_run(args) or qlora_mixin) or not hasattr(model, "transformer"):
         return None
@@ -142,13 +144,18 @@ def nf4_as_loaded(model: nn.Module, args):
     inside = {id(m) for root in qlora_base(model) for m in root.modules()}
     done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
 
+    def converts(module) -> bool:
+        """Whether ``module`` becomes NF4 once loaded (the loader copies its weights instead of lending them)."""
+        return id(module) in inside and isinstance(module, FLOAT_LINEARS) and not isinstance(module, Linear4bit)
+
     def after(module, prefix):
-        if id(module) not in inside or not isinstance(module, FLOAT_LINEARS) or isinstance(module, Linear4bit):
+        if not converts(module):
             return
         parent, _, name = prefix.rstrip(".").rpartition(".")
         if id(module) not in done:
             done[id(module)] = quantize_nf4(module)
         setattr(model.get_submodule(parent), name, done[id(module)])
+    after.converts = converts
     return after
 
 

@@ -12,7 +12,7 @@ import functools
 import _sat_patches_boot
 
 from ..core.registry import Patch
-from .rotary_kernel import apply_rotary
+from ..kernels.rotary import apply_rotary
 from .standins import ServedModulePatch
 
 TRITON_ROTARY = _sat_patches_boot.TRITON_ROTARY

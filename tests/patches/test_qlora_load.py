@@ -1,8 +1,8 @@
-"""QLoRA runs load the base as NF4, layer by layer: the float model never exists whole on the device.
+"""QLoRA runs load the base as NF4, linear by linear: the float model never exists whole on the device.
 
 Upstream CogVLM's QLoRA sequence: ``args.device = 'cpu'``, ``from_pretrained``, then
 ``add_mixin("lora", LoraMixin(..., qlora=True), reinit=True)``. Here the transformer's linears are NF4
-as soon as their layer is loaded, the mixin wraps them as they are, and the model trains.
+as soon as each is loaded, the mixin wraps them as they are, and the model trains.
 """
 import os
 
@@ -45,6 +45,8 @@ def load(path, cfg, qlora, monkeypatch):
             peaks[0] = max(peaks[0], held_bytes(model))
             if inner:
                 inner(module, prefix)
+        if getattr(inner, "converts", None):
+            after.converts = inner.converts
         return after
     monkeypatch.setattr(qlora_lib, "nf4_as_loaded", sampled)
     args = el.build_args(cfg)
@@ -75,16 +77,33 @@ def test_linears_are_nf4_as_loaded_and_the_peak_is_nf4_plus_one_layer(checkpoint
     assert stock_peak >= 0.95 * float_bytes
 
 
-def test_a_qlora_load_copies_what_it_loads(checkpoint):
-    """A load that converts layers as they arrive copies instead of lending the mapped file's tensors
-    (lent, the float layers' pages would stay mapped after conversion): no tensor of the model is the file's."""
+def test_a_qlora_load_copies_what_it_converts_and_lends_what_it_keeps(checkpoint):
+    """A load that converts linears as they arrive copies their float weights instead of lending the mapped
+    file's (lent, their pages would stay mapped after conversion): no NF4 weight is the file's. What stays
+    as saved (embeddings, LM head, norms) is lent from the file, as in a load without QLoRA."""
     path, cfg, _ = checkpoint
     args = el.build_args(cfg)
     args.use_qlora, args.device = True, "cpu"
     model, _ = el.model_class().from_pretrained(path, args)
     shard = os.path.join(path, "1", "mp_rank_00_model_states.pt")
+    nf4 = {id(m.weight) for m in model.modules() if lora_layer._is_nf4(m)}
     tensors = list(model.parameters()) + list(model.buffers())
-    assert tensors and [t.shape for t in tensors if in_file(t, shard)] == []
+    assert nf4 and [t.shape for t in tensors if id(t) in nf4 and in_file(t, shard)] == []
+    kept = [p for p in model.parameters() if id(p) not in nf4]  # (buffers such as rotary tables are not saved)
+    assert kept and [t.shape for t in kept if not in_file(t, shard)] == []
+
+
+def test_the_peak_above_the_nf4_model_is_one_linear_not_one_layer(checkpoint, monkeypatch):
+    """Each linear becomes NF4 as soon as it is loaded: what the model holds beyond its final NF4 self is at
+    most the float weights of one linear (the largest), never a whole layer's."""
+    path, cfg, _ = checkpoint
+    model, peak = load(path, cfg, True, monkeypatch)
+    floats = el.model_class()(el.build_args(cfg))
+    linears = [m for root in qlora_lib.qlora_base(floats) for m in root.modules() if isinstance(m, qlora_lib.FLOAT_LINEARS)]
+    largest = max(m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0) for m in linears)
+    layer = sum(p.nbytes for p in floats.transformer.layers[0].parameters())
+    assert layer > 2 * largest  # a layer's float weights would not fit in the bound below
+    assert peak <= held_bytes(model) + largest, (peak, held_bytes(model), largest, layer)
 
 
 def test_lora_wraps_the_nf4_bases_as_they_are_and_the_model_trains(checkpoint, monkeypatch):

@@ -39,7 +39,7 @@ def test_fast_rotary_matches_sat_reference_rotary(shuffled):
 
 
 def test_interleaved_rotary_matches_pairwise_rotation():
-    from sat_patches.patches.rotary_kernel import apply_rotary
+    from sat_patches.kernels.rotary import apply_rotary
     x = _qk(dim=8)[0]
     pos = torch.arange(7).repeat(2, 1)
     theta = pos[..., None].float() * (1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))

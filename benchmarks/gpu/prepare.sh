@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Prepare the GPU proof kit's one call: the wheels the GPU machine lacks, in .gpu-wheels/ (git-ignored),
+# built for its platform (Python 3.12, manylinux x86_64), checked against the 64 MiB carry limit; then
+# prints the exact `device` run call (command and carry).
+#
+#   bash benchmarks/gpu/prepare.sh            # from the repository root; needs PyPI and pip
+#
+# The machine's image (benchmarks/gpu/device_packages.txt) holds torch 2.11 + CUDA 13, triton, transformers,
+# peft, safetensors, numpy, psutil, ...; not SwissArmyTransformer, DeepSpeed, bitsandbytes nor their own
+# needs listed below. DeepSpeed has no wheel on PyPI: its sdist is built here into a pure-Python wheel
+# (DS_BUILD_OPS=0: no compiled ops; the proof uses none). wandb and datasets, which `import sat` imports,
+# are not carried (wandb alone is 20 MB): proof.py stands in a module for each, which the proof never calls.
+#
+# sat_patches itself travels as the working tree (the command runs in the repository root): PYTHONPATH
+# holds the root, and proof.py imports sat_patches before SAT, which installs the start-up hook's finder;
+# sat_patches.pth (only needed for `import sat` before `import sat_patches` on a machine without triton)
+# is not needed there.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+DEST="$ROOT/.gpu-wheels"
+LIMIT=$((64 * 1024 * 1024))   # the device tool's carry limit: working tree plus carried paths
+
+# name==version, one per line: what the proof imports beyond the machine's image (the kit's test reads this list)
+WHEELS=(
+  SwissArmyTransformer==0.4.12
+  bitsandbytes==0.50.2
+  hjson==3.1.0
+  pydantic==2.13.4
+  pydantic_core==2.46.4
+  annotated-types==0.7.0
+  typing-inspection==0.4.5
+  cpm_kernels==1.0.11
+  tensorboardX==2.6.5
+  webdataset==1.0.2
+  braceexpand==0.1.7
+)
+DEEPSPEED=deepspeed==0.19.8
+
+PYTHON="${PYTHON:-python3}"
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
+           manylinux2014_x86_64 manylinux1_x86_64)
+
+mkdir -p "$DEST"
+rm -f "$DEST"/*.whl
+platform_args=()
+for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
+echo "downloading ${#WHEELS[@]} wheels for CPython 3.12, manylinux x86_64, into $DEST"
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platform_args[@]}" -d "$DEST" "${WHEELS[@]}"
+
+echo "building $DEEPSPEED as a pure-Python wheel (DS_BUILD_OPS=0)"
+build="$(mktemp -d)"
+trap 'rm -rf "$build"' EXIT
+"$PYTHON" -m pip download -q --no-deps --no-binary=:all: --no-build-isolation -d "$build" "$DEEPSPEED"
+(cd "$build" && DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" ./deepspeed-*.tar.gz)
+ls "$DEST"/deepspeed-*-py3-none-any.whl >/dev/null
+
+wheels=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | awk '/total$/ {s += $1} END {print s + 0}')
+total=$((wheels + tree))
+"$PYTHON" -c 'import sys; w, t = (int(x) / 2**20 for x in sys.argv[1:]); print(f"wheels {w:.1f} MiB + working tree {t:.1f} MiB = {w + t:.1f} MiB (limit 64 MiB)")' "$wheels" "$tree"
+if [ "$total" -ge "$LIMIT" ]; then
+  echo "TOO LARGE for one device call: drop a wheel or ignore files" >&2
+  exit 1
+fi
+
+cat <<'CALL'
+
+The device call (tool `device`, verb `run`; leave `kind` out: one H100 is enough):
+  carry: [".gpu-wheels"]
+  timeout_s: 600
+  command:
+CALL
+cat <<'COMMAND'
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD 2>&1 | tee $OUT/proof.log
+COMMAND
+echo
+echo "Afterwards: copy the table (proof.log's end) and proof.json's machine into BENCHMARKS.md's 'GPU proof kit'."

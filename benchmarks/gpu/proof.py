@@ -1,0 +1,167 @@
+"""The GPU proof kit: every CUDA path and the full-size memory claims, in one call on one GPU.
+
+    python benchmarks/gpu/proof.py --out DIR            # on a GPU machine (see prepare.sh for the call)
+    python benchmarks/gpu/proof.py --tiny --out DIR     # tiny models on the CPU: the kit's own check
+
+Parts, each in its own process with its own time limit, so one that fails, runs out of memory or
+hangs cannot hide the others (order c, a, b: the quick checks first):
+
+c. CUDA paths (``proof_cuda.py``): triton rotary == torch fallback, xformers stand-in == math, LoRA and
+   mixins on the device in bf16, CUDA RNG tracker restored bit for bit, the ledger's CUDA figures,
+   ``cpu:gloo,cuda:nccl`` at world size 1.
+a. Full-size CogVLM-17B and CogAgent-18B LoRA steps beside the plan's 1 x 80 GB row, sat_patches and stock SAT
+   (``proof_steps.py``).
+b. QLoRA from a bf16 checkpoint on local disk beside the plan's 1 x 24 GB row (``proof_steps.py``).
+
+Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
+(the same rows, the machine, and per part the distributions it imported and the modules stood in) to
+``--out`` (default ``$OUT``, else ``./gpu_proof``). A status is ``ok``, ``FAIL`` or ``skipped: <why>``
+(``skipped: no CUDA`` for the CUDA-only checks of a ``--tiny`` run). Exit status 0 when no row failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
+         "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200)}  # part: (title, seconds allowed on an H100)
+COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
+
+
+def options(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_proof", help="folder for proof.json")
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the kit's own test)")
+    parser.add_argument("--parts", default="cab", help="which parts, in order (default: cab)")
+    parser.add_argument("--scratch", default=None, help="local disk for part b's checkpoint (default: a temp dir)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
+    parser.add_argument("--part", help=argparse.SUPPRESS)        # run one part in this process (the workers)
+    parser.add_argument("--part-json", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    unknown = set(opts.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts takes letters of {''.join(PARTS)}, not {''.join(sorted(unknown))}")
+    return opts
+
+
+# --------------------------------------------------------------------------------------
+# One part, in its own process
+# --------------------------------------------------------------------------------------
+
+def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
+    sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration")]
+    from proof_record import Recorder, stand_in_unused
+    stand_in_unused()
+    if tiny:
+        os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
+    import sat_patches  # noqa: F401  (before SAT: the patches go on when SAT is imported)
+    rec = Recorder(part, json_path, extra={"machine": machine()})  # CUDA starts in the parts only
+    rec.save()
+    if part == "c":
+        import proof_cuda
+        proof_cuda.run(rec, tiny)
+    elif part == "a":
+        import proof_steps
+        rec.guarded(proof_steps.full_size_steps, tiny)
+    elif part == "b":
+        import proof_steps
+        rec.guarded(proof_steps.qlora, tiny, scratch)
+    rec.save()
+
+
+# --------------------------------------------------------------------------------------
+# The whole run
+# --------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    """Python, torch, and the GPU (a part's process: the parent leaves CUDA alone, so no context of its own
+    holds GPU memory while the parts run)."""
+    info = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1), cuda=torch.version.cuda)
+    except Exception as exc:  # noqa: BLE001
+        info["torch"] = f"not importable: {exc}"
+    return info
+
+
+def spawn(part: str, opts, json_path: str, scratch: str) -> dict:
+    """Run ``part`` in a child process within its time limit; its rows, plus one for a crash or timeout."""
+    title, allowed = PARTS[part]
+    limit = allowed * opts.time_scale
+    isolated = ["-S"] if sys.flags.no_site else []  # a run that sees only some packages: so do its parts
+    cmd = [sys.executable, *isolated, os.path.abspath(__file__), "--part", part, "--part-json", json_path, "--scratch", scratch]
+    if opts.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    print(f"== part {part}: {title} (limit {limit:.0f} s)", flush=True)
+    try:
+        code = subprocess.run(cmd, env=env, timeout=limit).returncode
+        ended = None if code == 0 else f"the part's process ended with status {code}"
+    except subprocess.TimeoutExpired:
+        ended = f"stopped at its time limit ({limit:.0f} s)"
+    seconds = round(time.perf_counter() - start, 1)
+    try:
+        with open(json_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {"part": part, "rows": [], "imports": [], "stood_in": []}
+    if ended:
+        data["rows"].append({"part": part, "check": f"part {part} ({title})", "status": "FAIL", "measured": "",
+                             "expected": f"done within {limit:.0f} s", "seconds": seconds, "detail": ended})
+    data.update(title=title, seconds=seconds, limit=limit)
+    return data
+
+
+def table(rows) -> str:
+    cells = [[str(r.get(c, "")) for c in COLUMNS] for r in rows]
+    widths = [min(60, max([len(c)] + [len(row[i]) for row in cells])) for i, c in enumerate(COLUMNS)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.replace("|", "/") for v in row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    opts = options(argv)
+    if opts.part:
+        run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir())
+        return 0
+    os.makedirs(opts.out, exist_ok=True)
+    result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {}, "parts": {}}
+    with tempfile.TemporaryDirectory(prefix="sat-patches-proof-", dir=opts.scratch) as scratch:
+        for part in opts.parts:
+            result["parts"][part] = spawn(part, opts, os.path.join(scratch, f"part_{part}.json"), scratch)
+            result["machine"] = result["machine"] or result["parts"][part].get("machine", {})
+            result["rows"] = [r for p in result["parts"].values() for r in p["rows"]]
+            write_json(os.path.join(opts.out, "proof.json"), result)
+    rows = result["rows"]
+    print("\n" + table(rows))
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    print(f"\n{len(rows)} checks: {sum(r['status'] == 'ok' for r in rows)} ok, {len(failed)} failed, "
+          f"{sum(r['status'].startswith('skipped') for r in rows)} skipped; {os.path.join(opts.out, 'proof.json')}")
+    return 1 if failed else 0
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

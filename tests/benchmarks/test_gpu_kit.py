@@ -1,0 +1,153 @@
+"""The GPU proof kit (benchmarks/gpu/) stays ready for the next session that is lent a GPU.
+
+* prepare.sh's wheels, pinned, none that the GPU machine's image already holds (two versions of one
+  package stop the install there);
+* the kit on CPU (``--tiny``) in a Python that sees only the image's packages and the carried wheels:
+  every import the proof makes is covered, and it writes the table and proof.json with every key;
+* parts c and b in one process (the fast tier's share): what applies to a CPU passes, the CUDA checks
+  say ``skipped: no CUDA``.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from sat_patches.testing import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KIT = os.path.join(ROOT, "benchmarks", "gpu")
+COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def prepared_wheels() -> dict:
+    """prepare.sh's ``WHEELS=( ... )`` and ``DEEPSPEED=``: {canonical name: version}."""
+    with open(os.path.join(KIT, "prepare.sh"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"^WHEELS=\(\n(.*?)^\)", text, re.M | re.S).group(1)
+    pins = block.split() + [re.search(r"^DEEPSPEED=(\S+)", text, re.M).group(1)]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.]*", p) for p in pins), pins
+    return {canonical(p.split("==")[0]): p.split("==")[1] for p in pins}
+
+
+def device_packages() -> set:
+    with open(os.path.join(KIT, "device_packages.txt"), encoding="utf-8") as f:
+        return {canonical(line.strip()) for line in f if line.strip() and not line.startswith("#")}
+
+
+def test_prepared_wheels_are_pinned_and_not_on_the_gpu_image():
+    wheels = prepared_wheels()
+    assert {"swissarmytransformer", "deepspeed", "bitsandbytes"} <= set(wheels)
+    assert not set(wheels) & device_packages(), set(wheels) & device_packages()
+
+
+def image_closure(names: set) -> set:
+    """``names`` and what they require, transitively (extras left out): the image's packages come with their
+    own needs there, in the versions they need (this machine's versions may need other packages)."""
+    import importlib.metadata as metadata
+    found, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [canonical(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requires if "extra ==" not in r]
+    return found
+
+
+def device_site(folder: str) -> str:
+    """A folder of links to the installed distributions the GPU machine would have (its image's, with what they
+    need, and the carried wheels'), each with its metadata: on ``sys.path`` under ``python -S``, nothing else
+    imports. A carried wheel's own needs are not added: they must be on the image or carried too."""
+    import importlib.metadata as metadata
+    allowed = image_closure(device_packages()) | set(prepared_wheels())
+    for dist in metadata.distributions():
+        if canonical(dist.metadata["Name"] or "") not in allowed:
+            continue
+        for top in {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] != ".."}:
+            source, link = str(dist.locate_file(top)), os.path.join(folder, top)
+            if os.path.exists(source) and not os.path.lexists(link):
+                os.symlink(source, link)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_tiny_run_imports_only_what_the_gpu_machine_has_and_writes_the_table(tmp_path):
+    os.makedirs(tmp_path / "site")
+    site = device_site(str(tmp_path / "site"))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=site, SAT_PATCHES_DEVICE="cpu")
+    run = subprocess.run([sys.executable, "-S", os.path.join(KIT, "proof.py"), "--tiny", "--parts", "cb",
+                          "--out", str(out), "--time-scale", "2"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    assert tuple(c.strip() for c in lines[0].strip("|").split("|")) == COLUMNS, run.stdout[-2000:]
+    assert len(lines) == 1 + len(json.loads((out / "proof.json").read_text())["rows"])
+    data = json.loads((out / "proof.json").read_text())
+    assert {"tiny", "started", "machine", "parts", "rows"} <= set(data) and data["tiny"] is True
+    assert list(data["parts"]) == ["c", "b"]
+    for part in data["parts"].values():
+        assert {"rows", "imports", "stood_in", "title", "seconds", "limit"} <= set(part)
+        assert part["stood_in"] == ["datasets", "wandb"]  # SAT imports them; not carried
+        carried = set(prepared_wheels()) & {canonical(d) for d in part["imports"]}
+        assert {"swissarmytransformer", "deepspeed"} <= carried
+    assert "bitsandbytes" in {canonical(d) for d in data["parts"]["b"]["imports"]}
+    assert all(tuple(row) == COLUMNS for row in data["rows"])
+    assert [r for r in data["rows"] if r["status"] == "FAIL"] == []
+
+
+def tiny_parts_in_process(json_dir: str) -> list:
+    sys.path[:0] = [KIT, ROOT]
+    import proof
+    rows = []
+    for part in "cb":
+        path = os.path.join(json_dir, f"{part}.json")
+        proof.run_part(part, True, path, json_dir)
+        with open(path, encoding="utf-8") as f:
+            rows += json.load(f)["rows"]
+    return rows
+
+
+def test_parts_c_and_b_pass_on_cpu_and_skip_what_needs_cuda(tmp_path):
+    [r] = run_ranks(tiny_parts_in_process, 1, args=(str(tmp_path),), timeout=180,
+                    env={"SAT_PATCHES_DEVICE": "cpu"})
+    assert r.ok, r.exception or r.output[-3000:]
+    rows = {row["check"]: row for row in r.result}
+    assert [row for row in r.result if row["status"] == "FAIL"] == []
+    cuda_only = [c for c in rows if c.startswith(("rotary:", "CUDA RNG", "world size 1: CUDA"))]
+    assert len(cuda_only) == 6 and all(rows[c]["status"] == "skipped: no CUDA" for c in cuda_only)
+    assert rows["world size 1 with 'gloo': CPU broadcast over gloo"]["status"] == "ok"
+    assert rows["QLoRA: NF4 weights == bitsandbytes' own quantisation"]["status"] == "ok"
+    assert rows["QLoRA: 2 steps at the plan's micro-batch for 1 x 24 GB"]["status"] == "ok"
+    assert all(rows[f"{k}: LoRA and every mixin on cpu in bf16"]["status"] == "ok" for k in ("cogvlm", "cogagent"))
+
+
+def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(monkeypatch):
+    """Part a's figures must not be lost to SAT's triton kernel on a triton release it was not written for."""
+    sys.path[:0] = [KIT]
+    import sat.model.position_embedding.triton_rotary_embeddings as rotary_embeddings
+    import proof_steps as steps
+    from proof_record import Recorder, Row
+    from sat_patches.kernels.rotary import apply_rotary
+    kernels = []
+
+    def one_step(rec, label, *args):
+        kernels.append(rotary_embeddings.apply_rotary)
+        failed = len(kernels) == 1
+        return Row("a", label, "FAIL" if failed else "ok", detail="CompilationError: triton ..." if failed else "")
+    monkeypatch.setattr(steps, "_one_step", one_step)
+    row = steps._step_row(Recorder("a"), "cogvlm step", {}, 8, 1, 1.0, build=None)
+    assert row.status == "ok" and "torch rotary kernel" in row.check
+    assert kernels[0] is not apply_rotary and kernels[1] is apply_rotary
+    assert rotary_embeddings.apply_rotary is kernels[0]  # put back afterwards
