@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import construction, devices
 from ..core.registry import Patch, SatPatchesWarning, expect_names, expect_params
-from ..checkpoints import adapter
+from ..checkpoints import adapter, safe_load
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
@@ -236,7 +236,10 @@ def _load_checkpoint(original):
     def wrapper(model, args, load_path=None, prefix="", specific_iteration=None):
         from sat.helpers import check_if_zero3
         if check_if_zero3(args):
-            return original(model, args, load_path=load_path, prefix=prefix, specific_iteration=specific_iteration)
+            from sat.training import model_io
+            with safe_load.module_loads_safely(model_io):
+                return original(model, args, load_path=load_path, prefix=prefix,
+                                specific_iteration=specific_iteration)
         return load_checkpoint(model, args, load_path, prefix, specific_iteration)
     return wrapper
 
@@ -248,7 +251,9 @@ def _from_pretrained(auto: bool):
         def wrapper(cls, name, args=None, **kwargs):
             from sat.helpers import check_if_zero3
             if args is not None and check_if_zero3(args):
-                return original.__func__(cls, name, args, **kwargs)
+                from sat.training import model_io
+                with safe_load.module_loads_safely(model_io):
+                    return original.__func__(cls, name, args, **kwargs)
             return from_pretrained(None if auto else cls, name, args, **kwargs)
         return classmethod(wrapper)
     return make
