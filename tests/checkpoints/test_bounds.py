@@ -6,17 +6,18 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 CAP_MB = 300  # room above the child's address space after importing torch and SAT
 
 
-def run_capped(code: str) -> subprocess.CompletedProcess:
+def run_capped(code: str, with_sat: bool = False) -> subprocess.CompletedProcess:
+    sat = "import sat_patches; sat_patches.apply(); import sat.training.model_io" if with_sat else ""
     prelude = f"""
         import os, resource
         os.environ.setdefault("WANDB_MODE", "disabled")
-        import sat_patches; sat_patches.apply()
-        import sat.training.model_io
+        {sat}
         from sat_patches.checkpoints import files
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
@@ -60,6 +61,7 @@ def test_a_huge_shard_number_or_model_parallel_size_is_refused_before_any_range_
     assert child.stdout.count("REFUSED") == 2
 
 
+@pytest.mark.slow
 def test_a_config_implying_far_more_than_the_files_hold_is_refused_before_the_model_is_built(tmp_path):
     """Each size is within its limit; together they describe a model of tens of terabytes."""
     from sat_patches.testing import expert_llama as el
@@ -73,5 +75,5 @@ def test_a_config_implying_far_more_than_the_files_hold_is_refused_before_the_mo
                 {str(tmp_path / 'ckpt')!r})))
         except files.CheckpointError as exc:
             print("REFUSED", exc)
-    """)
+    """, with_sat=True)
     assert_refused(child, "GiB, but the checkpoint's files hold 0.000 GiB", "model_config.json")
