@@ -38,3 +38,19 @@ def env_switch(var: str, default: bool, what: str = "", environ: Optional[Mappin
         raise ValueError(f"{var}={raw!r}: set it to 1 ({what or 'on'}) or 0 (off), or unset it for the default "
                          f"({int(default)})")
     return raw == "1"
+
+
+def env_fraction(var: str, default: float, what: str = "", environ: Optional[Mapping[str, str]] = None) -> float:
+    """``var`` as a share from 0 to 1 (from ``environ``, default ``os.environ``): ``0.1`` or ``10%``;
+    ``default`` when unset or empty."""
+    raw = (os.environ if environ is None else environ).get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise ValueError(f"{var}={raw!r}: set it to a share from 0 to 1 or a percentage{what}, e.g. {var}=0.1 or "
+                         f"{var}=10% (or unset it for the default, {default:g})")
+    return value
