@@ -36,6 +36,7 @@ import threading
 import time
 from typing import Dict, Optional, Sequence
 
+from ..core import fenced
 from ..core.coordination import PEER_LOST, error_kinds, group_store
 from ..core.registry import Patch, expect_names, expect_params
 from ..core.settings import env_seconds
@@ -204,12 +205,12 @@ class Heartbeat:
         return None
 
     def _run(self) -> None:
-        while not self.stop.wait(self.interval):
+        while not self.stop.wait(self.interval) and not fenced.HEARTBEAT.off:
             try:
                 self.beat()
             except Exception:  # noqa: BLE001
                 pass
-            reason = self.dead()
+            reason = fenced.HEARTBEAT.run(self.dead)
             if reason and not self.stop.is_set():
                 self.fire(reason)
 
@@ -258,7 +259,8 @@ def _training_main(original):
     (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
     @functools.wraps(original)
     def training_main(args, *a, **kw):
-        hb = start_heartbeat()
+        heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
+        hb = fenced.HEARTBEAT.run(start_heartbeat)
         try:
             result = original(args, *a, **kw)
         except Exception as exc:

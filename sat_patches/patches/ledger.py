@@ -19,7 +19,9 @@ them to ``memory_ledger.csv`` and rewrites ``memory_ledger.json`` in the run dir
 (``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table. With
 ``SAT_PATCHES_LEDGER_DIR`` each rank also writes its rows the moment it records them
 (``memory_ledger.rank<N>.csv``), so a run killed while building or loading still leaves its ledger.
-``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off.
+``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off. A ledger that
+fails (its files, its table) is reported once and turned off (:mod:`sat_patches.core.fenced`); training
+goes on.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..core import fenced
 from ..core.registry import Patch, expect_names, expect_params
 from ..tools.ledger_files import (MiB, RANK_CSV, Row, append, flagged, format_table, host_memory, latest_per_rank,
                                   write)
@@ -89,7 +92,7 @@ class Ledger:
         finally:
             setattr(self._depth, name, depth)
         if depth == 0 and enabled() and not (once and any(r.phase == name for r in self.rows)):
-            self.record(name)  # only when the call returned
+            fenced.LEDGER.run(self.record, name)  # only when the call returned
 
     def gather(self) -> List[Row]:
         """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
@@ -104,9 +107,13 @@ class Ledger:
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
         """Gather; on rank 0 append to the run directory's files, and print the table the first time
         and whenever a rank stands far above the others (the files keep every interval)."""
-        new = self.gather()
-        if _rank() != 0:
+        new = self.gather()  # every rank takes part, even with the ledger off here (the others wait for it)
+        if _rank() != 0 or fenced.LEDGER.off:
             return new
+        fenced.LEDGER.run(self._show, new, run_dir, title)
+        return new
+
+    def _show(self, new: List[Row], run_dir: Optional[str], title: str) -> None:
         first = not self.table
         self.table.extend(new)
         if run_dir:
@@ -115,7 +122,6 @@ class Ledger:
         if first or flags["host"] or flags["cuda"]:
             shown = new if first else latest_per_rank(new)
             print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
-        return new
 
 
 LEDGER = Ledger()
@@ -153,10 +159,10 @@ def _train_step(original):
         iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
         interval = max(1, getattr(args, "log_interval", 1) or 1)
         if LEDGER.steps == 1:
-            LEDGER.record("first_step", iteration)
+            fenced.LEDGER.run(LEDGER.record, "first_step", iteration)
             LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
         elif iteration % interval == 0:
-            LEDGER.record("step", iteration)
+            fenced.LEDGER.run(LEDGER.record, "step", iteration)
             LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
         return result
     return train_step
