@@ -203,7 +203,8 @@ def check_data_path(path: str) -> List[str]:
         return [f"data {path} does not exist: pass a .jsonl file or a folder of <label>.jpg images"]
     images = folder_images(path)
     if not images:
-        return [f"data folder {path} holds no .jpg image: add <label>.jpg images, or pass a .jsonl file"]
+        return [f"data folder {path} holds no readable .jpg image (0 .jpg files): add <label>.jpg images, or pass a "
+                f".jsonl file"]
     checked = [(p, _image_problem(p)) for p in images]
     try:
         settle([p for p, problem in checked if not problem], [f"{p}: {problem}" for p, problem in checked if problem],

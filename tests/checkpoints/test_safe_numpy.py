@@ -76,6 +76,7 @@ def test_object_dtype_file_is_refused_without_a_crash_through_safe_load(tmp_path
     assert "REFUSED" in child.stdout and "numpy dtype 'O'" in child.stdout, child.stdout
 
 
+@pytest.mark.slow
 def test_object_dtype_rng_state_is_refused_without_a_crash_when_restored(tmp_path):
     crafted_rng_file(tmp_path / "ckpt", POINTERS)
     child = run_child(f"""

@@ -93,7 +93,7 @@ def test_data_paths_are_checked_without_building_anything(folder, tmp_path):
     assert "1 image(s) of" in jsonl.check_data_path(str(folder))[0]  # broken.jpg: refused by default
     (folder / "broken.jpg").unlink()
     assert jsonl.check_data_path(str(folder)) == []  # ok.jpg is readable
-    assert "holds no .jpg image" in jsonl.check_data_path(str(empty))[0]
+    assert "holds no readable .jpg image (0 .jpg files)" in jsonl.check_data_path(str(empty))[0]
     assert "does not exist" in jsonl.check_data_path(str(tmp_path / "nowhere"))[0]
     assert jsonl.check_data_path(write(folder, [GOOD])) == []
     assert "holds no usable sample" in jsonl.check_data_path(write(folder, []))[0]

@@ -34,7 +34,7 @@ def test_an_empty_train_data_folder_is_refused_before_launch(tmp_path, where):
     (tmp_path / "empty").mkdir()
     out = run(script, {"DRY_RUN": "1", "CPU_RANKS": "2", "TRAIN_DATA": "empty"}, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:]
-    assert f"TRAIN_DATA={tmp_path / 'empty'}: data folder {tmp_path / 'empty'} holds no .jpg image" in out.stderr
+    assert f"TRAIN_DATA={tmp_path / 'empty'}: data folder {tmp_path / 'empty'} holds no readable .jpg image" in out.stderr
 
 
 def test_the_standalone_cpu_run_trains_on_the_users_jsonl_for_the_users_iterations(tmp_path):
