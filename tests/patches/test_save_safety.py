@@ -76,6 +76,7 @@ def _saves(save, live_pid, dead_pid):
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_full_disk_leaves_no_staging_folder_a_second_live_run_is_refused_a_dead_ones_lock_taken_over(tmp_path):
     save = tmp_path / "run"
