@@ -81,6 +81,9 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     if run_mode in ("cpu", "checkout-cpu"):  # the user's data, from where they gave it (the checkout run changes folder)
         env.update({k: os.path.abspath(env[k]) for k in ("TRAIN_DATA", "VALID_DATA") if env.get(k)})
+        tiny = tiny_positions(kind)
+        if env["MAX_LENGTH"].isdigit() and int(env["MAX_LENGTH"]) > tiny:
+            env["MAX_LENGTH"] = str(tiny)  # said by cpu_notes
     if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
         env["MP_SIZE"] = "1"  # an NF4 base: data parallelism only (the CPU runs' MP_SIZE=2 default does not apply)
     if not env.get("TRAINABLE"):
@@ -278,8 +281,18 @@ def cpu_notes(env: Dict[str, str], environ: Dict[str, str]) -> List[str]:
     notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: generated CAPTCHAs are used"
              for name in ("TRAIN_DATA", "VALID_DATA")]
     notes.append(f"TRAIN_ITERS={env['TRAIN_ITERS']}")
+    if environ.get("MAX_LENGTH", "").isdigit() and int(environ["MAX_LENGTH"]) > int(env["MAX_LENGTH"]):
+        notes.append(f"MAX_LENGTH={environ['MAX_LENGTH']} is cut to {env['MAX_LENGTH']}: the tiny model has "
+                     f"{env['MAX_LENGTH']} positions (a record longer than that is named, and refused or skipped by "
+                     f"SAT_PATCHES_BAD_RECORDS)")
     return notes + [f"{name}={environ[name]} is not used on CPU ranks: {why}"
                     for name, why in NOT_ON_CPU.items() if environ.get(name)]
+
+
+def tiny_positions(kind: str) -> int:
+    """How many tokens the tiny model of a CPU run holds (its language model's ``max_sequence_length``)."""
+    from ..cogvlm.config import tiny_config
+    return int(tiny_config(kind)["max_sequence_length"])
 
 
 def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:

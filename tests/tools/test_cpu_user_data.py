@@ -40,10 +40,12 @@ def test_an_empty_train_data_folder_is_refused_before_launch(tmp_path, where):
 def test_the_standalone_cpu_run_trains_on_the_users_jsonl_for_the_users_iterations(tmp_path):
     data = user_jsonl(tmp_path / "data")
     out = run(SCRIPTS["cogvlm"], {"DRY_RUN": "1", "CPU_RANKS": "2", "TRAIN_DATA": "data/mine.jsonl",
-                                  "TRAIN_ITERS": "3", "MODEL_TYPE": "cogvlm-chat-v1.1"}, cwd=tmp_path)
+                                  "TRAIN_ITERS": "3", "MODEL_TYPE": "cogvlm-chat-v1.1", "MAX_LENGTH": "1288"},
+              cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     train = train_line(out)
-    assert f"--train-data {data}" in train and "--train-iters 3" in train
+    assert f"--train-data {data}" in train and "--train-iters 3" in train and "--max_length 512" in train
+    assert "note: MAX_LENGTH=1288 is cut to 512: the tiny model has 512 positions" in out.stdout
     assert "--valid-data " + str(tmp_path / "sat_patches_demo" / "cogvlm" / "data" / "valid.jsonl") in train
     assert f"note: TRAIN_DATA: {data}" in out.stdout
     assert "note: VALID_DATA not set: generated CAPTCHAs are used" in out.stdout
