@@ -2,7 +2,6 @@
 TRAIN_DATA / VALID_DATA and TRAIN_ITERS: an empty data folder is refused before launch, a user's JSONL
 file is what trains, and each setting a CPU run cannot honour is named with why."""
 import json
-import os
 
 import pytest
 from PIL import Image
