@@ -96,6 +96,11 @@ def read_manifest(folder: str) -> Optional[Dict]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("base"), dict) \
             or not {"path", "iteration", "sha256"} <= set(manifest["base"]):
         raise AdapterError(f"{path} does not name a base checkpoint (path, iteration, sha256): the save is damaged")
+    base = manifest["base"]["path"]
+    if not isinstance(base, str) or not base:
+        raise AdapterError(f"{path}: base path {base!r} is not a path: the save is damaged")
+    # a relative base (an adapter moved or shared with its base beside it) is relative to this file's folder
+    manifest["base"]["path"] = os.path.normpath(os.path.join(os.path.abspath(folder), base))
     return manifest
 
 

@@ -74,7 +74,11 @@ def find_checkpoint(load_path: str, specific_iteration: Optional[int] = None) ->
         raise CheckpointError(f"'{folder}' holds no mp_rank_XX_model_states.pt (it has: "
                               f"{', '.join(sorted(os.listdir(folder))) or 'nothing'}): the checkpoint is "
                               f"incomplete, or was saved under ZeRO-3 (z3_rank_* files)")
-    size, source = expected_mp_size(load_path, folder, max(shards) + 1)
+    highest = max(shards)
+    if highest >= SIZE_LIMITS["model_parallel_size"]:
+        raise CheckpointError(f"'{shards[highest]}' names model-parallel rank {highest}, beyond the largest model-parallel "
+                              f"size taken ({SIZE_LIMITS['model_parallel_size']}): remove the stray file")
+    size, source = expected_mp_size(load_path, folder, highest + 1)
     missing = sorted(set(range(size)) - set(shards))
     if missing:
         names = ", ".join(f"mp_rank_{i:02d}_model_states.pt" for i in missing)
@@ -108,6 +112,10 @@ def expected_mp_size(load_path: str, folder: str, from_shards: int) -> Tuple[int
     optim = [int(m.group(1)) + 1 for f in os.listdir(folder) if (m := _OPTIM_MP.search(f))]
     if optim and max(optim) > size:
         size, source = max(optim), f"optimizer shards of model-parallel rank {max(optim) - 1} are there"
+    limit = SIZE_LIMITS["model_parallel_size"]
+    if size > limit:  # checked before any list of shard numbers is built from it
+        raise CheckpointError(f"'{folder}': {source}, beyond the largest model-parallel size taken ({limit}): fix "
+                              f"model_parallel_size in model_config.json, or remove the stray files")
     return size, source
 
 

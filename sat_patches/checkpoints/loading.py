@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..checkpoints import adapter
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
 from ..checkpoints.sharding import ShardedSource
-from ..checkpoints.state import (fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
+from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
                                  restore_rng,)
 from ..core.coordination import barrier, stage
 from ..core.registry import SatPatchesWarning
@@ -145,6 +145,7 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     with stage(f"building {model_cls.__name__} on meta"):
         model = _build(args, model_cls, kwargs, on_meta=True)
     if not fills_every_tensor(model, source):
+        check_config_fits_files(model, ckpt)
         print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
                     f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
         model = None

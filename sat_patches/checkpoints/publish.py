@@ -11,8 +11,22 @@ from ..checkpoints.writer import replace_dir, write_text_atomic
 STAGING_PREFIX = ".saving-"
 
 
-def staging_dir(save: str, iteration) -> str:
-    return os.path.join(save, f"{STAGING_PREFIX}{iteration}")
+class CheckpointSaveError(RuntimeError):
+    """A save that could not start (another run saving into the folder, a folder that cannot be written)."""
+
+
+def staging_dir(save: str, iteration, token: str = "") -> str:
+    """Where one run stages its save of ``iteration``: ``<save>/.saving-<N>-<run token>``."""
+    return os.path.join(save, f"{STAGING_PREFIX}{iteration}" + (f"-{token}" if token else ""))
+
+
+def sweep_stale_staging(save: str, keep: str) -> None:
+    """Remove the staging folders of earlier saves (crashed, killed, or stopped by a full disk) except
+    ``keep``: called by the run that holds the folder's save lock, so no live save owns them."""
+    for entry in os.listdir(save):
+        path = os.path.join(save, entry)
+        if entry.startswith(STAGING_PREFIX) and path != keep and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def publish(staged: str, save: str, world_size: int = 1, mp_size: int = 1) -> None:

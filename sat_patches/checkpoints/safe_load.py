@@ -8,7 +8,9 @@ it is told are safe. SAT and DeepSpeed checkpoints need exactly these (found wit
 RNG states on, ZeRO stages 0 and 2, fp32/bf16, LoRA, model-parallel size 1 and 2):
 
 * ``mp_rank_XX_model_states.pt``: numpy's RNG state, an array (``numpy.ndarray``, rebuilt through
-  numpy's ``_reconstruct``) of ``numpy.dtype``;
+  numpy's ``_reconstruct``) of ``numpy.dtype``. These names get checking stand-ins
+  (:mod:`.safe_numpy`), never numpy's own: those restore any saved dtype state, and an object dtype
+  flagged as holding no references makes numpy read the file's bytes as pointers (a crash);
 * ``*_optim_states.pt`` (ZeRO): DeepSpeed's ``LossScaler`` (``DynamicLossScaler`` with fp16), ``ZeroStageEnum`` and
   ``fragment_address``.
 
@@ -25,14 +27,20 @@ from typing import Callable, List, Optional
 import torch
 from ..core import settings
 
+from . import safe_numpy
+
 TRUST_ENV = "SAT_PATCHES_TRUST_CHECKPOINTS"
 
+# numpy names a SAT save refers to, each served by a checking stand-in
+NUMPY_STANDINS = {
+    "numpy.ndarray": safe_numpy.ArrayType,
+    "numpy.dtype": safe_numpy.DTypeBuilder,
+    "numpy._core.multiarray._reconstruct": safe_numpy.ArrayBuilder,   # numpy >= 2
+    "numpy.core.multiarray._reconstruct": safe_numpy.ArrayBuilder,    # numpy < 2
+}
+
 # "module:qualified name" of every global a SAT/DeepSpeed save refers to beyond torch's own
-ALLOWED = (
-    "numpy.ndarray",
-    "numpy.dtype",
-    "numpy._core.multiarray._reconstruct",   # numpy >= 2
-    "numpy.core.multiarray._reconstruct",    # numpy < 2
+ALLOWED = tuple(NUMPY_STANDINS) + (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -60,14 +68,11 @@ def _resolve(name: str):
 
 
 def allowed_globals() -> List[object]:
-    """The objects of :data:`ALLOWED` that exist here (numpy's dtype classes too: numpy >= 1.25
-    pickles a dtype as its class)."""
-    found = [obj for obj in map(_resolve, ALLOWED) if obj is not None]
-    import numpy
-    dtypes = getattr(numpy, "dtypes", None)
-    if dtypes is not None:
-        found += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
-    return found
+    """The objects the unpickler may use for the names of :data:`ALLOWED`: numpy's are checking stand-ins
+    (:data:`NUMPY_STANDINS`), the others the objects that exist here."""
+    names = {n: c for n, c in NUMPY_STANDINS.items() if n in ALLOWED}
+    others = [n for n in ALLOWED if n not in NUMPY_STANDINS]
+    return safe_numpy.standins(names) + [obj for obj in map(_resolve, others) if obj is not None]
 
 
 def _allowed_names() -> set:
@@ -101,8 +106,11 @@ def load(path: str, map_location="cpu", mmap: bool = False):
     with _privately_mapped(mmap):
         if trusted():
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=False)
-        with torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+        try:
+            with torch.serialization.safe_globals(allowed_globals()):
+                return safe_numpy.finish(torch.load(path, map_location=map_location, mmap=mmap, weights_only=True))
+        except safe_numpy.UnsafeNumpyError as exc:
+            raise UnsafeCheckpointError(f"'{path}': {exc}") from None
 
 
 def _privately_mapped(mapped: bool):
@@ -148,3 +156,30 @@ def deepspeed_loads_safely(engine):
             del checkpoint_engine.load
         else:
             checkpoint_engine.load = own
+
+
+class _TorchWithSafeLoad:
+    """The ``torch`` module as one module's code sees it: everything torch's, except ``load`` (:func:`load`)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def load(f, map_location=None, *args, **kwargs):
+        return load(f, map_location=map_location)
+
+
+@contextlib.contextmanager
+def module_loads_safely(module):
+    """Inside the block, ``torch.load`` called by ``module``'s code (e.g. SAT's ``sat.training.model_io``, whose
+    ZeRO-3 path loads with no ``weights_only``: in full on torch < 2.6 or with ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)
+    goes through :func:`load`."""
+    real = module.torch
+    module.torch = _TorchWithSafeLoad(real)
+    try:
+        yield
+    finally:
+        module.torch = real

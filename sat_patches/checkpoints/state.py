@@ -8,6 +8,7 @@ Used by :mod:`sat_patches.checkpoints.loading` (SAT's ``load_checkpoint``/``from
 """
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -221,6 +222,24 @@ def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
             if t.is_meta and (_hooked(module) or not persistent or key not in keys):
                 return False
     return True
+
+
+# how many times the files' bytes a model built from a checkpoint's config may take (a 4-bit file of
+# a model built fp32 takes 8), plus room for the new tensors a fine-tuning run adds (LoRA, heads)
+IMPLIED_BYTES_FACTOR = 8
+IMPLIED_BYTES_SLACK = 256 << 20
+
+
+def check_config_fits_files(model: torch.nn.Module, ckpt) -> None:
+    """Refuse, before ``model`` (built on meta) is built for real, a config that implies far more bytes
+    than the checkpoint's files hold (each size in range, together a model no file here can fill)."""
+    implied = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    held = sum(os.path.getsize(f) for f in ckpt.files)
+    if implied > IMPLIED_BYTES_FACTOR * held + IMPLIED_BYTES_SLACK:
+        raise CheckpointError(
+            f"the model that '{ckpt.path}/model_config.json' describes takes {implied / 2 ** 30:,.1f} GiB, but the "
+            f"checkpoint's files hold {held / 2 ** 30:,.3f} GiB: model_config.json does not match the weights (fix "
+            f"its sizes to those the checkpoint was trained with); nothing was built")
 
 
 def model_parallel_rng_tracker():

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import secrets
 import shutil
 import sys
 from typing import Iterator, Mapping, Optional
@@ -25,48 +27,68 @@ _AT_FDCWD = -100
 
 
 def fsync_dir(path: str) -> None:
-    """Make a directory's entries (files created, renamed or removed in it) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+    """Make a directory's entries (files created, renamed or removed in it) durable. A failure is an
+    error (the entries may not be on disk), except on file systems that cannot fsync a directory."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then every directory, deepest first."""
+    """fsync every file under ``root``, then every directory, deepest first (symlinks are not followed)."""
     for folder, _, files in os.walk(root, topdown=False):
         for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         fsync_dir(folder)
+
+
+def open_exclusive(path: str):
+    """A new temporary file next to ``path`` (``<path>.tmp-<pid>-<random>``), created exclusively: an
+    existing file or a planted symlink at that name is never written through. Returns (name, binary file)."""
+    for _ in range(100):
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        return tmp, os.fdopen(fd, "wb")
+    raise FileExistsError(f"no free temporary name next to '{path}'")
+
+
+def _write_atomic(path: str, write) -> None:
+    tmp, f = open_exclusive(path)
+    try:
+        with f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_text_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old content or the new, never a part."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def save_atomic(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temporary file renamed into place (several writers of the
     same file, e.g. data-parallel ranks holding the same shard, cannot mix their bytes)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
     import torch
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -7,8 +7,9 @@ CogAgent) plus the text processor's output) and ``data_collator`` of
 tensors concatenated along the batch).
 
 Unlike upstream, which logs and returns an empty item for an image it cannot open, unreadable images
-are found when the data set is built: they are skipped and counted (``skipped``), and a folder with
-no readable image raises :class:`EmptyDatasetError`.
+are found when the data set is built and follow ``SAT_PATCHES_BAD_RECORDS`` as JSONL records do
+(:func:`sat_patches.data.jsonl.settle`: refused by default; with ``skip`` each is reported and left
+out, recorded in ``skipped``); a folder with no readable image raises :class:`EmptyDatasetError`.
 """
 from __future__ import annotations
 
@@ -27,14 +28,11 @@ PROMPT = "CAPTCHA:"
 IMAGE_SUFFIXES = (".jpg",)
 
 
-from ..data.jsonl import EmptyDatasetError  # noqa: F401  (one error for every kind of data)
+from ..data.jsonl import EmptyDatasetError, folder_images, settle  # noqa: F401  (one policy for every kind of data)
 
 
 def find_images(path: str, suffixes=IMAGE_SUFFIXES) -> List[str]:
-    found = []
-    for folder, _, files in os.walk(path, followlinks=True):
-        found += [os.path.join(folder, f) for f in files if f.lower().endswith(suffixes)]
-    return sorted(found)
+    return folder_images(path, suffixes)  # symlinked folders are not entered (a loop would never end)
 
 
 def load_rgb(path: str) -> Image.Image:
@@ -62,6 +60,8 @@ class ItemDataset(Dataset):
         if not os.path.isdir(data_dir):
             raise EmptyDatasetError(f"data folder {data_dir!r} does not exist")
         files = find_images(data_dir)
+        if not files:
+            raise EmptyDatasetError(f"no usable CAPTCHA image in {data_dir!r}: it holds no .jpg file")
         usable = []
         for path in files:
             if validate:
@@ -69,16 +69,11 @@ class ItemDataset(Dataset):
                     load_rgb(path)
                 except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
                     self.skipped.append((path, f"{type(exc).__name__}: {exc}"))
-                    logger.warning("skipping unreadable image %s: %s", path, exc)
                     continue
             usable.append(path)
-        if not usable:
-            reason = (f"all {len(files)} .jpg files are unreadable (first: {self.skipped[0][0]}: {self.skipped[0][1]})"
-                      if files else "it holds no .jpg file")
-            raise EmptyDatasetError(f"no usable CAPTCHA image in {data_dir!r}: {reason}")
-        if self.skipped:
-            logger.warning("%s: skipped %d unreadable of %d images", data_dir, len(self.skipped), len(files))
-        return usable
+        # SAT_PATCHES_BAD_RECORDS as for JSONL records: refused, or skipped and each one reported
+        problems = [f"{path}: cannot be read ({why})" for path, why in self.skipped]
+        return settle(usable, problems, data_dir, what="image")
 
     @staticmethod
     def label_of(path: str) -> str:

@@ -65,6 +65,17 @@ def _choice(s: Setting, raw: str) -> str:
     return value
 
 
+def _fraction(s: Setting, raw: str) -> float:
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise SettingError(f"{s.name}={raw!r}: set it to a share from 0 to 1 or a percentage ({s.meaning}), e.g. "
+                           f"{s.name}=0.1 or {s.name}=10% (or unset it for the default, {s.describe_default()})")
+    return value
+
+
 def _names(s: Setting, raw: str) -> FrozenSet[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
@@ -74,6 +85,7 @@ PARSERS = {
     "tristate": _switch,  # a switch whose unset state (None) lets the run decide
     "seconds": lambda s, raw: _positive(s, raw, "seconds"),
     "megabytes": lambda s, raw: _positive(s, raw, "MiB"),
+    "fraction": _fraction,
     "choice": _choice,
     "names": _names,
     "text": lambda s, raw: raw,
@@ -102,6 +114,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "loaded base"),
     Setting("SAT_PATCHES_BAD_RECORDS", "choice", "refuse", "what bad data records do: stop the run, or are left "
             "out", choices=("refuse", "skip")),
+    Setting("SAT_PATCHES_BAD_RECORDS_MAX", "fraction", 0.1, "the largest share of bad records a run leaves out "
+            "under skip"),
     Setting("SAT_PATCHES_PREPROCESS_TIMEOUT", "seconds", 7200.0,
             "how long the other ranks wait while rank 0 prepares the data sets"),
     Setting("SAT_PATCHES_COLLECTIVE_TIMEOUT", "seconds", None,

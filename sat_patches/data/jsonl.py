@@ -16,7 +16,8 @@ answer is trained on. Grounding boxes are written in CogVLM's text form ``[[x0,y
 Every record is checked when it is read -- JSON, fields, the image (opened and decoded), non-empty
 answers, the boxes -- and each problem is reported with ``file:line`` and what to change. With
 ``SAT_PATCHES_BAD_RECORDS=refuse`` (the default) any problem stops the run; with ``skip`` the records
-with problems are left out and counted. This module needs neither torch nor SAT: the scripts' checks run
+with problems are left out, each reported by ``file:line``, unless more than
+``SAT_PATCHES_BAD_RECORDS_MAX`` (default 10%) of them are bad. Folders of images follow the same policy. This module needs neither torch nor SAT: the scripts' checks run
 it before anything is launched.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 from ..core import settings
 
+
 SETTING = "SAT_PATCHES_BAD_RECORDS"
+MAX_SETTING = "SAT_PATCHES_BAD_RECORDS_MAX"
 BOX = re.compile(r"\[\[(.*?)\]\]")
 SHOWN = 10  # problems listed in a message
 
@@ -40,6 +43,10 @@ class DataError(ValueError):
 
 class EmptyDatasetError(DataError):
     """No usable sample in the data."""
+
+
+class DataWarning(UserWarning):
+    """Records left out under ``SAT_PATCHES_BAD_RECORDS=skip`` (each named by ``file:line``)."""
 
 
 @dataclass
@@ -153,15 +160,28 @@ def read_samples(path: str) -> Tuple[List[Sample], List[str]]:
     return samples, problems
 
 
+def bad_records_max() -> float:
+    """The largest share of bad records ``skip`` trains without (``SAT_PATCHES_BAD_RECORDS_MAX``, default 10%)."""
+    return settings.read(MAX_SETTING)
+
+
 def settle(samples: List[Sample], problems: List[str], path: str, what: str = "record") -> List[Sample]:
-    """Apply ``SAT_PATCHES_BAD_RECORDS`` to ``problems``; refuse an empty result."""
+    """Apply ``SAT_PATCHES_BAD_RECORDS`` to ``problems`` (``file:line: what``, one per bad record or
+    image): ``refuse`` stops at any; ``skip`` reports every one and leaves it out, unless more than
+    ``SAT_PATCHES_BAD_RECORDS_MAX`` of them are bad. An empty result is refused either way."""
     if problems:
         listed = "\n  ".join(problems[:SHOWN]) + (f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN
                                                  else "")
         if bad_records_policy() == "refuse":
             raise DataError(f"{len(problems)} {what}(s) of {path} cannot be used:\n  {listed}\nFix them, or set "
                             f"{SETTING}=skip to train without them.")
-        warnings.warn(f"{SETTING}=skip: left out {len(problems)} {what}(s) of {path}:\n  {listed}", stacklevel=2)
+        total, limit = len(problems) + len(samples), bad_records_max()
+        if samples and len(problems) > limit * total:
+            raise DataError(f"{SETTING}=skip, but {len(problems)} of {total} {what}s of {path} "
+                            f"({len(problems) / total:.0%}) cannot be used, more than {MAX_SETTING}={limit:g} "
+                            f"allows:\n  {listed}\nFix them, or raise {MAX_SETTING} to train on the rest.")
+        warnings.warn(f"{SETTING}=skip: left out {len(problems)} of {total} {what}(s) of {path}:\n  "
+                      + "\n  ".join(problems), DataWarning, stacklevel=2)
     if not samples:
         raise EmptyDatasetError(f"{path} holds no usable sample" + (" (every record had a problem)" if problems
                                                                      else ": add records, one JSON object per line"))
@@ -179,12 +199,24 @@ def check_data_path(path: str) -> List[str]:
         return []
     if not os.path.isdir(path):
         return [f"data {path} does not exist: pass a .jsonl file or a folder of <label>.jpg images"]
-    images = sorted(os.path.join(d, f) for d, _, files in os.walk(path, followlinks=True)
-                    for f in files if f.lower().endswith(".jpg"))
-    if not any(_image_problem(p) is None for p in images):
-        return [f"data folder {path} holds no readable .jpg image ({len(images)} .jpg files): add <label>.jpg "
-                f"images, or pass a .jsonl file"]
+    images = folder_images(path)
+    if not images:
+        return [f"data folder {path} holds no readable .jpg image (0 .jpg files): add <label>.jpg images, or pass a "
+                f".jsonl file"]
+    checked = [(p, _image_problem(p)) for p in images]
+    try:
+        settle([p for p, problem in checked if not problem], [f"{p}: {problem}" for p, problem in checked if problem],
+               path, "image")
+    except DataError as exc:
+        return [str(exc)]
     return []
+
+
+def folder_images(path: str, suffixes=(".jpg",)) -> List[str]:
+    """The images under ``path`` (sorted). Symlinked folders are not entered: a link to a parent
+    would make the walk loop."""
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(path, followlinks=False)
+                  for f in files if f.lower().endswith(suffixes))
 
 
 def write_jsonl(path: str, records: List[Dict]) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-from ..core import settings
+from ..core import fenced, settings
 from ..core.coordination import group_store
 from ..runtime.checks import BadInputError
 
@@ -88,12 +88,12 @@ class Heartbeat:
         return None
 
     def _run(self) -> None:
-        while not self.stop.wait(self.interval):
+        while not self.stop.wait(self.interval) and not fenced.HEARTBEAT.off:
             try:
                 self.beat()
             except Exception:  # noqa: BLE001
                 pass
-            reason = self.dead()
+            reason = fenced.HEARTBEAT.run(self.dead)
             if reason and not self.stop.is_set():
                 self.fire(reason)
 

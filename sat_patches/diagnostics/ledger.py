@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core import settings
+from ..core import fenced
 from .ledger_files import RANK_CSV, MiB, Row, append, flagged, format_table, host_memory, latest_per_rank, write
 
 
@@ -68,7 +69,7 @@ class Ledger:
         finally:
             setattr(self._depth, name, depth)
         if depth == 0 and enabled() and not (once and any(r.phase == name for r in self.rows)):
-            self.record(name)  # only when the call returned
+            fenced.LEDGER.run(self.record, name)  # only when the call returned
 
     def gather(self) -> List[Row]:
         """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
@@ -83,9 +84,13 @@ class Ledger:
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
         """Gather; on rank 0 append to the run directory's files, and print the table the first time
         and whenever a rank stands far above the others (the files keep every interval)."""
-        new = self.gather()
-        if _rank() != 0:
+        new = self.gather()  # every rank takes part, even with the ledger off here (the others wait for it)
+        if _rank() != 0 or fenced.LEDGER.off:
             return new
+        fenced.LEDGER.run(self._show, new, run_dir, title)
+        return new
+
+    def _show(self, new: List[Row], run_dir: Optional[str], title: str) -> None:
         first = not self.table
         self.table.extend(new)
         if run_dir:
@@ -94,7 +99,6 @@ class Ledger:
         if first or flags["host"] or flags["cuda"]:
             shown = new if first else latest_per_rank(new)
             print(format_table(shown, self.table, title=title, where=run_dir), flush=True)
-        return new
 
 
 LEDGER = Ledger()

@@ -8,15 +8,17 @@ in place. A rank killed during a save (host OOM as in THUDM/CogVLM#283 and THUDM
 "kill -9"; preemption) leaves ``latest`` naming an iteration whose other shards (and LoRA weights,
 which live in the same files) are missing or truncated: the run can no longer resume from anything.
 
-Here every rank saves iteration N into ``<save>/.saving-<N>/`` (SAT's own code, unchanged, with
-``args.save`` pointing there); all ranks meet; global rank 0 checks that staged directory with
+Here global rank 0 first takes the folder's save lock (:mod:`sat_patches.checkpoints.save_lock`: a
+second live run saving into the same folder is refused) and sweeps the staging folders earlier saves
+left (a crash, a full disk); every rank saves iteration N into ``<save>/.saving-<N>-<run>/`` (SAT's own
+code, unchanged, with ``args.save`` pointing there; ``<run>`` is rank 0's host and process id) and
+fsyncs what it wrote; all ranks meet; global rank 0 checks that staged directory with
 :func:`sat_patches.checkpoints.files.find_checkpoint` (every MP shard present, none truncated), then ONE rename
 makes ``<save>/<N>`` appear (an atomic exchange when ``<save>/<N>`` already exists, e.g. SAT's final
 save of the last interval's iteration), then ``model_config.json`` and last ``latest`` are replaced
 with ``os.replace`` of a fsynced temporary file (:mod:`sat_patches.checkpoints.writer`, which fsyncs
 every staged file before the rename). A crash at any point leaves ``latest`` naming the
-previous complete iteration. Stale ``.saving-*`` directories of a crashed save are removed by the
-next save of that iteration.
+previous complete iteration. A save that fails (e.g. ENOSPC) removes its staging folder.
 
 SAT's EMA check reads ``optimizer.optimizer``, which a bare torch optimizer (DeepSpeed without a ZeRO
 wrapper) lacks: such an optimizer is not passed on (SAT uses it for nothing else there).
@@ -30,12 +32,17 @@ import functools
 import os
 import shutil
 
-from ..checkpoints.publish import publish, staging_dir
+from ..checkpoints import save_lock
+from ..checkpoints.publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
+from ..checkpoints.writer import fsync_tree
+from ..core.coordination import store_gather
 from ..core.registry import Patch, expect_names
+
+_saves = [0]  # saves this process has made (names the exchange of each save's staging folder)
 
 
 def _save_checkpoint(original):
-    """SAT's save_checkpoint, staged in ``<save>/.saving-<N>`` and published by one rename on rank 0
+    """SAT's save_checkpoint, staged in ``<save>/.saving-<N>-<run>`` and published by one rename on rank 0
     (stock SAT writes shards and ``latest`` in place: a rank killed mid-save, as the kill -9 of
     THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to resume from)."""
     @functools.wraps(original)
@@ -45,22 +52,39 @@ def _save_checkpoint(original):
         if not save or not dist.is_initialized():
             return original(iteration, model, optimizer, lr_scheduler, args)
         rank = dist.get_rank()
-        staged = staging_dir(save, iteration)
-        if rank == 0:
-            os.makedirs(save, exist_ok=True)
-            shutil.rmtree(staged, ignore_errors=True)  # left by a save that crashed
-            os.makedirs(staged)
-        dist.barrier()
+        verdict = ""
+        if rank == 0:  # the run's lock on the folder, then a staging folder of its own
+            try:
+                os.makedirs(save, exist_ok=True)
+                token = save_lock.acquire(save)
+                staged = staging_dir(save, iteration, token)
+                sweep_stale_staging(save, keep=staged)
+                shutil.rmtree(staged, ignore_errors=True)
+                os.makedirs(staged)
+                verdict = "ok " + token
+            except (OSError, save_lock.SaveLockError) as exc:
+                verdict = f"error {type(exc).__name__}: {exc}"
+        _saves[0] += 1
+        verdict = store_gather(f"save/{iteration}/{_saves[0]}", verdict)[0]
+        if verdict.startswith("error "):
+            raise CheckpointSaveError(f"checkpoint of iteration {iteration} not saved into '{save}': {verdict[6:]}")
+        staged = staging_dir(save, iteration, verdict[3:])
         if optimizer is not None and not hasattr(optimizer, "optimizer"):
             # SAT reads optimizer.optimizer only to spot FusedEmaAdam; a bare torch optimizer (DeepSpeed
             # with a client optimizer and no ZeRO wrapper) has none: AttributeError after the shards.
             optimizer = None
         staged_args = copy.copy(args)
         staged_args.save = staged
-        original(iteration, model, optimizer, lr_scheduler, staged_args)  # ends with a barrier
-        if rank == 0:
-            from sat import mpu
-            publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
+        try:
+            original(iteration, model, optimizer, lr_scheduler, staged_args)  # ends with a barrier
+            fsync_tree(staged)  # every rank: the files it wrote are durable (on its node) before publishing
+            dist.barrier()
+            if rank == 0:
+                from sat import mpu
+                publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)  # a full disk, a failed write: nothing left behind
+            raise
         dist.barrier()
     return save_checkpoint
 

@@ -35,7 +35,8 @@ from typing import Optional
 
 from ..core.coordination import PEER_LOST, error_kinds
 from ..core.registry import Patch, expect_names, expect_params
-from ..diagnostics.heartbeat import start_heartbeat
+from ..core import fenced
+from ..diagnostics.heartbeat import heartbeat_timeout, start_heartbeat
 from ..runtime.checks import check_lora_args
 from ..runtime.deepspeed_config import DeepSpeedConfigError
 
@@ -88,7 +89,8 @@ def _training_main(original):
     (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
     @functools.wraps(original)
     def training_main(args, *a, **kw):
-        hb = start_heartbeat()
+        heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
+        hb = fenced.HEARTBEAT.run(start_heartbeat)
         try:
             result = original(args, *a, **kw)
         except Exception as exc:

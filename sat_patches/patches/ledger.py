@@ -19,12 +19,15 @@ them to ``memory_ledger.csv`` and rewrites ``memory_ledger.json`` in the run dir
 (``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table. With
 ``SAT_PATCHES_LEDGER_DIR`` each rank also writes its rows the moment it records them
 (``memory_ledger.rank<N>.csv``), so a run killed while building or loading still leaves its ledger.
-``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off.
+``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off. A ledger that
+fails (its files, its table) is reported once and turned off (:mod:`sat_patches.core.fenced`); training
+goes on.
 """
 from __future__ import annotations
 
 import functools
 
+from ..core import fenced
 from ..core.registry import Patch, expect_names, expect_params
 from ..diagnostics.ledger import LEDGER, enabled, run_directory
 
@@ -54,10 +57,10 @@ def _train_step(original):
         iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
         interval = max(1, getattr(args, "log_interval", 1) or 1)
         if LEDGER.steps == 1:
-            LEDGER.record("first_step", iteration)
+            fenced.LEDGER.run(LEDGER.record, "first_step", iteration)
             LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
         elif iteration % interval == 0:
-            LEDGER.record("step", iteration)
+            fenced.LEDGER.run(LEDGER.record, "step", iteration)
             LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
         return result
     return train_step

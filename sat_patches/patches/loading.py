@@ -29,6 +29,7 @@ import sys
 
 import torch.distributed as dist
 
+from ..checkpoints import safe_load
 from ..checkpoints.loading import SharedStartClock, all_ranks_loading, from_pretrained, load_checkpoint
 from ..core.coordination import check_local_world_size, group_store, store_gather
 from ..core.registry import Patch, expect_names, expect_params
@@ -40,7 +41,10 @@ def _load_checkpoint(original):
     def wrapper(model, args, load_path=None, prefix="", specific_iteration=None):
         from sat.helpers import check_if_zero3
         if check_if_zero3(args):
-            return original(model, args, load_path=load_path, prefix=prefix, specific_iteration=specific_iteration)
+            from sat.training import model_io
+            with safe_load.module_loads_safely(model_io):
+                return original(model, args, load_path=load_path, prefix=prefix,
+                                specific_iteration=specific_iteration)
         return load_checkpoint(model, args, load_path, prefix, specific_iteration)
     return wrapper
 
@@ -52,7 +56,9 @@ def _from_pretrained(auto: bool):
         def wrapper(cls, name, args=None, **kwargs):
             from sat.helpers import check_if_zero3
             if args is not None and check_if_zero3(args):
-                return original.__func__(cls, name, args, **kwargs)
+                from sat.training import model_io
+                with safe_load.module_loads_safely(model_io):
+                    return original.__func__(cls, name, args, **kwargs)
             return from_pretrained(None if auto else cls, name, args, **kwargs)
         return classmethod(wrapper)
     return make

@@ -6,7 +6,8 @@ minute) with no estimate of the time left. Here that line becomes ``iteration 4/
 lr 1.00e-04 | 1.32 s/it | ETA 0:00:21`` (metrics and the fp16 loss scale follow when present);
 SAT's TensorBoard and wandb reporting run as before. Rank 0 also appends the step to
 ``loss_curve.csv`` in the run directory (the memory ledger's) and redraws ``loss_curve.png`` there
-when matplotlib is installed.
+when matplotlib is installed. Both are fenced (:mod:`sat_patches.core.fenced`): one that fails is
+reported once and turned off; training goes on.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import warnings
 
 import torch.distributed as dist
 
-from ..core import noise
+from ..core import fenced, noise
 from ..core.registry import Patch, SatPatchesWarning, expect_params
 from ..diagnostics import console
 from ..diagnostics.ledger import run_directory
@@ -26,6 +27,19 @@ from ..diagnostics.progress import SAT_LINE, progress_line, record_step
 class _DropSatIterationLine(logging.Filter):
     def filter(self, record):
         return SAT_LINE not in record.getMessage()
+
+
+def _print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics) -> None:
+    scale = (getattr(optimizer, "cur_scale", None) if args.deepspeed else getattr(optimizer, "loss_scale", None)) \
+        if args.fp16 else None
+    print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
+
+
+def _record_curve(run_dir: str, step, loss, lr, elapsed_time) -> None:
+    try:
+        record_step(run_dir, step, loss, lr, elapsed_time)
+    except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
+        warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
 
 
 def _report_iteration_metrics(original):
@@ -42,15 +56,10 @@ def _report_iteration_metrics(original):
         console.note_iteration(args, step)
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        scale = (getattr(optimizer, "cur_scale", None) if args.deepspeed else getattr(optimizer, "loss_scale", None)) \
-            if args.fp16 else None
-        print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
+        fenced.PROGRESS.run(_print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
         run_dir = run_directory(args)
         if run_dir:
-            try:
-                record_step(run_dir, step, loss, lr, elapsed_time)
-            except OSError as exc:  # a full or read-only disk must not stop the training
-                warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
+            fenced.LOSS_CURVE.run(_record_curve, run_dir, step, loss, lr, elapsed_time)
     return report_iteration_metrics
 
 

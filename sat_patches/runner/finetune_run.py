@@ -15,6 +15,9 @@ Four modes, chosen in this order:
   on generated CAPTCHA data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
   and reloaded.
 
+On CPU ranks (both CPU modes) the user's ``TRAIN_DATA`` / ``VALID_DATA`` are used when given (checked
+before launch, as on GPUs), and ``TRAIN_ITERS``; each setting a CPU run cannot honour is named, with why.
+
 ``DRY_RUN=1`` prints the commands instead of running them.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -55,7 +59,7 @@ KIND_DEFAULTS = {
 }
 # no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
 CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "120", "LORA_RANK": "4",
-                "EVALUATE": "1",
+                "EVALUATE": "1", "TRAIN_DATA": "", "VALID_DATA": "",  # empty: generated CAPTCHAs; else the user's
                 "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
                 "CHECKPOINT_ACTIVATIONS": "0"}
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
@@ -75,6 +79,11 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
         env.update(CHECKOUT_CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}",
                    WORK_DIR=os.path.abspath(f"sat_patches_demo/checkout-{kind}"))
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
+    if run_mode in ("cpu", "checkout-cpu"):  # the user's data, from where they gave it (the checkout run changes folder)
+        env.update({k: os.path.abspath(env[k]) for k in ("TRAIN_DATA", "VALID_DATA") if env.get(k)})
+        tiny = tiny_positions(kind)
+        if env["MAX_LENGTH"].isdigit() and int(env["MAX_LENGTH"]) > tiny:
+            env["MAX_LENGTH"] = str(tiny)  # said by cpu_notes
     if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
         env["MP_SIZE"] = "1"  # an NF4 base: data parallelism only (the CPU runs' MP_SIZE=2 default does not apply)
     if not env.get("TRAINABLE"):
@@ -217,7 +226,8 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     py = sys.executable
     # the CAPTCHAs as conversations in JSON Lines (sat_patches.cogvlm.tiny.write_captcha_conversations)
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
-                 train=os.path.join(work, "data", "train.jsonl"), valid=os.path.join(work, "data", "valid.jsonl"),
+                 train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train.jsonl"),
+                 valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid.jsonl"),
                  save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     return [
@@ -238,7 +248,8 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
     save = os.path.join(work, "checkpoints")
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
-                 train=os.path.join(work, "data", "train"), valid=os.path.join(work, "data", "valid"), save=save,
+                 train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train"),
+                 valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid"), save=save,
                  ds_config=run_config(env, "cpu_demo.json", save))
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
     return [
@@ -249,6 +260,52 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
         [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
          "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]],
     ]
+
+
+# settings a CPU run cannot honour, and why (said when the user set them)
+NOT_ON_CPU = {
+    "MODEL_TYPE": "a tiny model of the same architecture is built and trained (the released weights need GPUs)",
+    "FROM_PRETRAINED": "a tiny model of the same architecture is built and trained (the released weights need GPUs)",
+    "TOKENIZER": "a small local tokenizer is generated (no model hub is reached)",
+    "DS_CONFIG": "configs/cpu_demo.json is used (GPU optimizers and offloading do not run on CPU ranks)",
+    "NUM_GPUS_PER_WORKER": "CPU_RANKS sets how many ranks run",
+    "HOST_FILE": "CPU ranks run on this node only",
+    "CHECKPOINT_ACTIVATIONS": "off for the tiny model (nothing to save)",
+    "MICRO_BATCH": "the CPU config's micro-batch is used",
+}
+
+
+def cpu_notes(env: Dict[str, str], environ: Dict[str, str]) -> List[str]:
+    """What a CPU run uses of the user's settings: their data (or generated CAPTCHAs), and each setting it
+    cannot honour, with why."""
+    notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: generated CAPTCHAs are used"
+             for name in ("TRAIN_DATA", "VALID_DATA")]
+    notes.append(f"TRAIN_ITERS={env['TRAIN_ITERS']}")
+    if environ.get("MAX_LENGTH", "").isdigit() and int(environ["MAX_LENGTH"]) > int(env["MAX_LENGTH"]):
+        notes.append(f"MAX_LENGTH={environ['MAX_LENGTH']} is cut to {env['MAX_LENGTH']}: the tiny model has "
+                     f"{env['MAX_LENGTH']} positions (a record longer than that is named, and refused or skipped by "
+                     f"SAT_PATCHES_BAD_RECORDS)")
+    return notes + [f"{name}={environ[name]} is not used on CPU ranks: {why}"
+                    for name, why in NOT_ON_CPU.items() if environ.get(name)]
+
+
+def tiny_positions(kind: str) -> int:
+    """How many tokens the tiny model of a CPU run holds (its language model's ``max_sequence_length``)."""
+    from ..cogvlm.config import tiny_config
+    return int(tiny_config(kind)["max_sequence_length"])
+
+
+def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:
+    """A ``.jsonl`` TRAIN_DATA/VALID_DATA given to a checkout's demo that reads only folders of images."""
+    if run_mode != "checkout-cpu":
+        return []
+    demo = os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])
+    with open(demo, encoding="utf-8") as f:
+        reads_jsonl = re.search(r"from sat_patches\.cogvlm[\w.]* import [^\n]*\bcreate_dataset_function\b", f.read())
+    return [f"{name}={env[name]}: the checkout's {UPSTREAM_DEMO[kind]} reads folders of <label>.jpg images (its "
+            f"ItemDataset), not JSON Lines: pass a folder, or make the demo use sat_patches.cogvlm's "
+            f"create_dataset_function" for name in ("TRAIN_DATA", "VALID_DATA")
+            if env.get(name, "").endswith(".jsonl") and not reads_jsonl]
 
 
 def latest_checkpoint(save_dir: str) -> str:
@@ -272,7 +329,9 @@ def main(argv=None) -> int:
     on_cpu = run_mode in ("cpu", "checkout-cpu")
     env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
     errors = check(env)
-    if not on_cpu and env.get("DRY_RUN") != "1":  # CPU runs generate their data; a dry run only prints
+    if on_cpu:  # the user's TRAIN_DATA / VALID_DATA, when given (else generated CAPTCHAs)
+        errors += data_errors(env) + cpu_data_errors(env, kind, run_mode)
+    elif env.get("DRY_RUN") != "1":  # a dry run only prints
         errors += data_errors(env)
     if errors:
         for e in errors:
@@ -296,6 +355,9 @@ def main(argv=None) -> int:
         run_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks even where GPUs are visible (CPU_RANKS set)
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
+    if on_cpu:
+        for line in cpu_notes(env, dict(os.environ)):
+            print(f"note: {line}", flush=True)
     if cwd:
         print(f"+ cd {shlex.quote(cwd)}", flush=True)
     for cmd in commands:

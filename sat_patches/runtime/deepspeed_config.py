@@ -29,7 +29,16 @@ def lint_deepspeed_config(config: dict, world_size: Optional[int] = None, model_
       a missing micro-batch is set to it, an inconsistent set of numbers is refused.
     - On a rank without CUDA, Adam/AdamW runs as ``torch.optim`` (``torch_adam``) instead of a
       FusedAdam/CPU-Adam that DeepSpeed compiles with g++ on first use (~45 s).
+    - ``checkpoint.load_universal``: DeepSpeed unpickles universal checkpoints in full
+      (``weights_only=False``), so anything such a file names runs: refused unless checkpoints are
+      trusted (``SAT_PATCHES_TRUST_CHECKPOINTS=1``).
     """
+    from ..checkpoints import safe_load
+    if (config.get("checkpoint") or {}).get("load_universal") and not safe_load.trusted():
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config: checkpoint.load_universal is true; DeepSpeed unpickles universal checkpoints in "
+            f"full, which runs any code a file names. Remove it, or set {safe_load.TRUST_ENV}=1 if you trust "
+            f"whoever made the checkpoints you load")
     _min_loss_scale(config)
     for key, stage in (("offload_optimizer", 1), ("offload_param", 3)):
         _place_offload(config, key, stage)

@@ -91,3 +91,30 @@ def test_an_fp16_zero_shards_dynamic_loss_scaler_loads_safely_and_only_because_i
     monkeypatch.setattr(safe_load, "ALLOWED", tuple(n for n in safe_load.ALLOWED if n != name))
     with pytest.raises(safe_load.UnsafeCheckpointError, match="DynamicLossScaler"):
         safe_load.load(path)
+
+
+def test_a_zero3_checkpoints_payload_does_not_run_when_torch_loads_in_full(tmp_path, monkeypatch):
+    """SAT loads ZeRO-3 checkpoints with its own ``torch.load`` (no ``weights_only``): in full on torch < 2.6,
+    as ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` makes any torch behave."""
+    from sat.training.model_io import load_checkpoint
+    from sat_patches.testing import expert_llama as el
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
+    marker = str(tmp_path / "ran")
+    cfg = tiny_checkpoint(tmp_path / "ckpt", marker)
+    args = el.build_args(cfg)
+    args.mode, args.deepspeed_config = "finetune", {"zero_optimization": {"stage": 3}}
+    model = el.model_class()(args)
+    with pytest.raises(safe_load.UnsafeCheckpointError) as exc:
+        load_checkpoint(model, args, load_path=str(tmp_path / "ckpt"))
+    _refused(exc, marker)
+
+
+def test_deepspeed_universal_checkpoint_loading_is_refused_unless_trusted(monkeypatch):
+    from sat_patches.runtime.deepspeed_config import DeepSpeedConfigError, lint_deepspeed_config
+    monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"load_universal": True}}
+    with pytest.raises(DeepSpeedConfigError, match=f"load_universal.*{safe_load.TRUST_ENV}=1"):
+        lint_deepspeed_config(dict(config))
+    monkeypatch.setenv(safe_load.TRUST_ENV, "1")
+    assert lint_deepspeed_config(dict(config))["checkpoint"]["load_universal"] is True

@@ -50,7 +50,8 @@ def test_a_record_longer_than_max_length_is_named_and_refused_or_skipped(tiny, m
                                         r"fit max_length 40: shorten the record or raise --max_length"):
         dataset(tiny, tiny.train_jsonl, version="base", max_length=40, answer_room=10)
     monkeypatch.setenv("SAT_PATCHES_BAD_RECORDS", "skip")
-    with pytest.warns(UserWarning, match="left out 2 record"):
+    monkeypatch.setenv("SAT_PATCHES_BAD_RECORDS_MAX", "0.3")  # 2 of 8 are too long
+    with pytest.warns(UserWarning, match="left out 2 of 8 record"):
         data, _ = dataset(tiny, tiny.train_jsonl, version="base", max_length=40, answer_room=10)
     assert len(data) == 6 and not any("[[" in s.answer for s in data.data)
 

@@ -304,7 +304,9 @@ def test_captcha_dataset_is_real_and_reproducible(tmp_path):
                              for p in make_captcha_dataset(str(tmp_path / "d"), 5, seed=3, exclude=stems)}
 
 
-def test_dataset_skips_and_counts_unreadable_images(tmp_path, tokenizer):
+def test_dataset_skips_and_counts_unreadable_images(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("SAT_PATCHES_BAD_RECORDS", "skip")
+    monkeypatch.setenv("SAT_PATCHES_BAD_RECORDS_MAX", "0.5")
     folder = str(tmp_path / "data")
     paths = make_captcha_dataset(folder, 4, seed=1)
     with open(paths[0], "wb") as f:
@@ -326,12 +328,13 @@ def test_dataset_skips_and_counts_unreadable_images(tmp_path, tokenizer):
 
 
 def test_dataset_refuses_a_folder_without_usable_images(tmp_path, tokenizer):
+    from sat_patches.data.jsonl import DataError
     text = llama2_text_processor(tokenizer, 80, 16)
     bad = tmp_path / "bad"
     bad.mkdir()
     for name in ("ab12", "cd34"):
         (bad / f"{name}.jpg").write_bytes(b"\xff\xd8 broken")
-    with pytest.raises(EmptyDatasetError, match="all 2 .jpg files are unreadable"):
+    with pytest.raises(DataError, match=r"2 image\(s\) of .* cannot be used"):
         ItemDataset(get_image_processor(56), text, None, str(bad))
     (tmp_path / "empty").mkdir()
     with pytest.raises(EmptyDatasetError, match="no .jpg"):

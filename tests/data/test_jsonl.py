@@ -55,8 +55,9 @@ def test_each_bad_record_is_refused_with_its_file_and_line(folder, record, messa
 
 def test_skip_leaves_bad_records_out_and_counts_them(folder, monkeypatch):
     monkeypatch.setenv(jsonl.SETTING, "skip")
+    monkeypatch.setenv(jsonl.MAX_SETTING, "50%")  # 1 of 3 is bad
     path = write(folder, [GOOD, {"image": "missing.jpg", "prompt": "a", "answer": "b"}, "", GOOD])
-    with pytest.warns(UserWarning, match=r"left out 1 record\(s\) of .*data.jsonl:\n  .*:2: image"):
+    with pytest.warns(UserWarning, match=r"left out 1 of 3 record\(s\) of .*data.jsonl:\n  .*:2: image"):
         samples = jsonl.settle(*jsonl.read_samples(path), path)
     assert [s.where for s in samples] == [f"{path}:1", f"{path}:4"]
     monkeypatch.setenv(jsonl.SETTING, "ignore")
@@ -89,6 +90,8 @@ def test_an_empty_dataset_is_refused(folder, lines, message, monkeypatch):
 def test_data_paths_are_checked_without_building_anything(folder, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    assert "1 image(s) of" in jsonl.check_data_path(str(folder))[0]  # broken.jpg: refused by default
+    (folder / "broken.jpg").unlink()
     assert jsonl.check_data_path(str(folder)) == []  # ok.jpg is readable
     assert "holds no readable .jpg image (0 .jpg files)" in jsonl.check_data_path(str(empty))[0]
     assert "does not exist" in jsonl.check_data_path(str(tmp_path / "nowhere"))[0]

@@ -1,0 +1,111 @@
+"""One run saving into a checkpoint folder at a time.
+
+Two runs given the same ``--save`` folder would stage their saves under the same name and publish a
+checkpoint mixing both runs' shards. The first save of a run takes ``<save>/.saving.lock`` (created
+exclusively; it names the holder's host, process id and run token); a second run finds it and is
+refused while the holder lives. A lock whose holder process on this host is gone (a run that was
+killed) is taken over with a warning; a lock held from another host cannot be checked from here and
+is refused, naming the file to delete once that run has ended. The lock is released when the
+process that holds it exits.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import re
+import socket
+import warnings
+from typing import Dict, Optional
+
+from ..core.registry import SatPatchesWarning
+
+LOCK_NAME = ".saving.lock"
+
+
+class SaveLockError(RuntimeError):
+    """Another live run is saving into the same folder."""
+
+
+def run_token() -> str:
+    """This process's name in lock files and staging folders: host and process id."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read(path: str) -> Optional[Dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _create(path: str, record: Dict) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def acquire(folder: str) -> str:
+    """Hold ``folder``'s save lock for this process (again, if it holds it already); its run token.
+    :class:`SaveLockError` while another live run holds it."""
+    path = os.path.join(folder, LOCK_NAME)
+    token = run_token()
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "token": token}
+    for _ in range(3):
+        if _create(path, record):
+            atexit.register(release, folder, token)
+            return token
+        holder = _read(path)
+        if holder is None:
+            continue  # released meanwhile
+        if holder.get("token") == token:
+            return token
+        pid, host = holder.get("pid"), holder.get("host")
+        if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+            warnings.warn(f"'{path}' was held by process {pid} on this host, which has ended (a run that was "
+                          f"stopped mid-save?): taken over", SatPatchesWarning, stacklevel=2)
+            _remove_if(path, holder)
+            continue
+        raise SaveLockError(
+            f"another run is saving into '{folder}' (process {pid} on host {host}, '{path}'): give this run its "
+            f"own --save folder; if that run has ended, delete '{path}'")
+    raise SaveLockError(f"could not take '{path}' (other runs keep taking it): give this run its own --save folder")
+
+
+def _remove_if(path: str, holder: Dict) -> None:
+    if _read(path) == holder:
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+
+
+def release(folder: str, token: Optional[str] = None) -> None:
+    """Give ``folder``'s save lock back, if this process (``token``) holds it."""
+    path = os.path.join(folder, LOCK_NAME)
+    holder = _read(path)
+    if holder and holder.get("token") == (token or run_token()):
+        _remove_if(path, holder)
