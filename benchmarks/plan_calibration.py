@@ -54,7 +54,7 @@ HEADER_MB = f"{'measured MB':>12}{'plan MB':>10}{'ratio':>8}"
 
 def full_size_tables() -> bool:
     from sat_patches.cogvlm.shapes import upstream_config
-    from sat_patches.finetune import DEMO_TRAINABLE
+    from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
     from layer_bytes import (layer_bytes, planned_activations, planned_layer_bytes,
                                                  released_layers, step_peak)
     ok = True

@@ -34,7 +34,7 @@ _auto = {"pending": True, "applying": False}
 def _registered():
     """The registry with every patch declared: importing :mod:`sat_patches.patches` registers them, in
     its order (and imports SAT)."""
-    from . import patches  # noqa: F401
+    from . import patches  # noqa: F401  (imports SAT: only when SAT is imported or a patch is asked about)
     return REGISTRY
 
 

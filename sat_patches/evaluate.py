@@ -21,6 +21,20 @@ import os
 import sys
 from typing import Dict, List
 
+import torch
+import torch.distributed as dist
+from sat import mpu
+
+from .checkpoints import adapter
+from .checkpoints.files import CheckpointError, find_checkpoint, read_model_config
+from .checkpoints.loading import load_checkpoint
+from .checkpoints.writer import write_text_atomic
+from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for
+from .cogvlm.trainer import add_lora, model_inputs, processors
+from .data.jsonl import DataError, check_data_path, write_jsonl
+from .lora.layer import has_lora
+from .merge import model_class
+
 
 def char_score(prediction: str, answer: str) -> float:
     """Share of positions where ``prediction`` and ``answer`` hold the same character, over the longer one."""
@@ -48,14 +62,11 @@ def summary_line(summary: Dict, data: str) -> str:
 
 def greedy_answer(model, batch, tokenizer, steps: int = 8) -> str:
     """Greedy decoding after the batch's prompt (its first ``context_length`` tokens), without a cache."""
-    import torch
-    from .finetune import model_inputs
     with torch.no_grad():
         return tokenizer.decode(_greedy_tokens(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps))
 
 
 def _greedy_tokens(model, batch, inputs, eos: int, steps: int) -> List[int]:
-    import torch
     context = int(batch["context_length"][0])
     ids = batch["input_ids"][:, :context].clone()
     out = []
@@ -80,8 +91,6 @@ def _greedy_tokens(model, batch, inputs, eos: int, steps: int) -> List[int]:
 
 def check_inputs(ckpt: str, data: str, mp: int, world: int) -> List[str]:
     """What stops the evaluation before anything is loaded."""
-    from .checkpoints.files import CheckpointError, find_checkpoint
-    from .data.jsonl import check_data_path
     problems = []
     try:
         find_checkpoint(ckpt)
@@ -99,13 +108,6 @@ def load_for_generation(ckpt: str, kind: str, mp: int, imports=()):
     in its config) gets the LoRA layers its training added before its weights are loaded, unless its model
     class adds them itself; an adapter-only save is loaded onto its base (named in its ``adapter.json``).
     With ``imports`` (modules that register it) the class is the checkpoint's own ``model_class``."""
-    from .checkpoints import adapter
-    from .checkpoints.files import find_checkpoint, read_model_config
-    from .cogvlm import model_class_for
-    from .finetune import add_lora
-    from .checkpoints.loading import load_checkpoint
-    from .lora.layer import has_lora
-    from .merge import model_class
     run = find_checkpoint(ckpt)
     manifest = adapter.read_manifest(os.path.dirname(run.files[0]))
     cls = model_class(read_model_config(ckpt)["model_class"], imports) if imports else model_class_for(kind)
@@ -131,11 +133,9 @@ def evaluate(ckpt: str, data: str, tokenizer_dir: str, mp: int = 1, out: str = "
              max_length: int = 2048, max_new_tokens: int = 16, imports=()) -> Dict:
     """(every rank) Load ``ckpt`` at MP=``mp`` and answer every sample of ``data``; rank 0 writes and returns
     the summary."""
-    from .data.jsonl import DataError
     problems = check_inputs(ckpt, data, mp, int(os.environ.get("WORLD_SIZE", "1")))
     if problems:
         raise DataError("\n".join(problems))
-    from .checkpoints.files import read_model_config
     config = read_model_config(ckpt, need_class=True)
     model, args = load_for_generation(ckpt, "cogagent" if "Agent" in config["model_class"] else "cogvlm", mp,
                                       imports)
@@ -151,13 +151,6 @@ def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, ve
     """(every rank) ``model`` (built and loaded at the job's model-parallel size) answers every sample of
     ``data``, each data-parallel group its share; rank 0 writes ``predictions.jsonl`` and ``summary.json``
     into ``out``, prints the summary line and returns the summary (the other ranks: ``{}``)."""
-    import torch
-    import torch.distributed as dist
-    from sat import mpu
-    from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer
-    from .checkpoints.writer import write_text_atomic
-    from .data.jsonl import write_jsonl
-    from .finetune import processors
     module = getattr(model, "module", model)
     was_training = module.training
     module.eval()
@@ -209,7 +202,6 @@ def main(argv=None) -> int:
                    help="module that registers the checkpoint's model_class (e.g. a fork's utils.models); "
                         "its class is then used as it is, LoRA included when its constructor adds it")
     a = p.parse_args(argv)
-    from .data.jsonl import DataError
     try:
         evaluate(a.checkpoint, a.data, a.local_tokenizer, a.mp, a.out, a.version, a.max_length, a.max_new_tokens,
                  a.imports)

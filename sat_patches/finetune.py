@@ -18,95 +18,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import defaultdict
 from functools import partial
 
 import torch
+from sat import get_args
+from sat.training.deepspeed_training import training_main
+
+from .checkpoints import safe_load
+from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for, prepare_tiny_run
+from .cogvlm.trainer import add_lora, disable_untrainable_params, forward_step, model_inputs, processors
+from .data.jsonl import DataError, check_data_path
+from .evaluate import answer_every_sample, greedy_answer
+from .runtime.checks import check_finetune_args
 
 KINDS = ("cogvlm", "cogagent")
 
 
-# ----------------------------------------------------------------------------- data and loss
-def broadcast_batch(batch):
-    """Tensors of the batch from model-parallel rank 0 to its group, one broadcast per dtype."""
-    from sat import mpu
-    by_dtype, other = defaultdict(list), {}
-    for key, value in (batch or {}).items():
-        (by_dtype[value.dtype].append(key) if isinstance(value, torch.Tensor) else other.__setitem__(key, value))
-    # every rank of the group must call with the same keys: take them from rank 0's batch
-    box = [(dict(by_dtype), other)]
-    group = mpu.get_model_parallel_group()
-    torch.distributed.broadcast_object_list(box, src=mpu.get_model_parallel_src_rank(), group=group)
-    by_dtype, other = box[0]
-    out = dict(other)
-    for dtype, keys in by_dtype.items():
-        out.update(mpu.broadcast_data(keys, batch, dtype))
-    return out
-
-
-def get_batch(data_iterator, args, timers):
-    timers("data loader").start()
-    batch = next(data_iterator) if data_iterator is not None else None
-    timers("data loader").stop()
-    batch = broadcast_batch(batch)
-    dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else None
-    for key, value in batch.items():
-        if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            batch[key] = value.to(dtype)
-    return batch
-
-
-def lm_loss(model, batch):
-    labels = batch.pop("labels")
-    logits = model(**batch)[0].float()
-    shift_labels = labels[..., 1:].contiguous()
-    shift_logits = logits[..., -1 - shift_labels.size(-1):-1, :].contiguous()
-    return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
-                                             ignore_index=-100)
-
-
-def model_inputs(batch):
-    """What the model's forward takes: the batch without labels and bookkeeping fields."""
-    return {k: v for k, v in batch.items() if k not in ("labels", "question_id", "context_length", "image_position")}
-
-
-def forward_step(data_iterator, model, args, timers):
-    timers("batch generator").start()
-    batch = get_batch(data_iterator, args, timers)
-    timers("batch generator").stop()
-    loss = lm_loss(model, {**model_inputs(batch), "labels": batch["labels"]})
-    return loss, {"loss": loss}
-
-
-def _eva_mlp_layer_46_to_54(name: str) -> bool:
-    if "vit" not in name or ".mlp" not in name:
-        return False
-    layer = name[:name.find(".mlp")].rsplit(".", 1)[-1]
-    return layer.isdigit() and 45 < int(layer) < 55
-
-
-# Beyond the adapters, what upstream's finetune demos train (parameter names matched as they match them):
-# CogVLM the MLP of EVA layers 46-54; CogAgent the cross encoder and attention, the GLU adapter, both
-# vision experts, boi/eoi and the EVA tower.
-DEMO_TRAINABLE = {
-    "cogvlm": _eva_mlp_layer_46_to_54,
-    "cogagent": lambda name: any(key in name for key in ("encoder", "cross_attention", "linear_proj", "mlp.vision",
-                                                         "rotary.vision", "eoi", "boi", "vit")),
-}
-
-
-def disable_untrainable_params(model):
-    """What upstream's demo trains: the adapters and :data:`DEMO_TRAINABLE`. ``SAT_PATCHES_TRAINABLE=lora``
-    (the finetune scripts' default for this trainer) narrows it to the adapters."""
-    from .checkpoints.adapter import is_adapter
-    kind = getattr(model.args, "kind", "cogvlm")
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name) or DEMO_TRAINABLE[kind](name.lower()))
-
-
 # ----------------------------------------------------------------------------- set-up
 def demo_parser(kind: str) -> argparse.ArgumentParser:
-    from .cogvlm import model_class_for
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--kind", choices=KINDS, default=kind)
     p.add_argument("--max_length", type=int)
@@ -131,45 +60,18 @@ def _kind_of(argv):
     return "cogvlm"
 
 
-def processors(args, tokenizer):
-    from .cogvlm import get_image_processor, llama2_text_processor
-    image = get_image_processor(args.eva_args["image_size"][0])
-    cross = get_image_processor(args.cross_image_pix) if hasattr(args, "cross_image_pix") else None
-    text = llama2_text_processor(tokenizer, args.max_length, args.image_length)
-    return image, text, cross
-
-
-def add_lora(model, args):
-    """As upstream's demo: LoRA on the language model and on EVA; with ``--use_qlora`` the language
-    model's linears become NF4 under LoRA, and EVA stays as it is."""
-    from sat.model.finetune.lora2 import LoraMixin
-    if args.use_qlora:
-        model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range, qlora=True),
-                        reinit=True)
-        return
-    model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range), reinit=True)
-    eva = model.get_mixin("eva").vit_model
-    eva.add_mixin("lora", LoraMixin(args.eva_args["num_layers"], args.lora_rank, layer_range=args.layer_range),
-                  reinit=True)
-
-
 def check_data(args) -> None:
     """Every training and validation path is usable (JSONL records checked, a folder has a readable image);
     raises :class:`sat_patches.data.jsonl.DataError` naming each problem."""
-    from .data.jsonl import DataError, check_data_path
     problems = [p for path in (args.train_data or []) + (args.valid_data or []) for p in check_data_path(path)]
     if problems:
         raise DataError("\n".join(problems))
 
 
 def train(argv) -> int:
-    from sat import get_args
-    from sat.training.deepspeed_training import training_main
-    from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for
     kind = _kind_of(argv)
     os.environ.setdefault("SAT_PATCHES_TRAINABLE", "lora")  # this trainer's default: the adapters only
     known, rest = demo_parser(kind).parse_known_args(argv)
-    from .runtime.checks import check_finetune_args
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built
     args = get_args(rest)
     args = argparse.Namespace(**vars(args), **vars(known))
@@ -190,13 +92,11 @@ def train(argv) -> int:
     if args.probe:
         save_probe(model, args, image, text, cross)
     if args.evaluate:
-        from .evaluate import answer_every_sample
         answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version)
     return 0
 
 
 def probe_batch(args, image, text, cross):
-    from .cogvlm import create_dataset_function, data_collator
     dataset = create_dataset_function(image, text, cross, args.valid_data[0], args)
     return data_collator([dataset[0]], cross_image_processor=cross)
 
@@ -220,8 +120,6 @@ def save_probe(model, args, image, text, cross):
 
 # ----------------------------------------------------------------------------- verify
 def verify(argv) -> int:
-    from .cogvlm import llama2_tokenizer, model_class_for
-    from .evaluate import greedy_answer
     p = argparse.ArgumentParser(prog="python -m sat_patches.finetune verify")
     p.add_argument("--kind", choices=KINDS, default="cogvlm")
     p.add_argument("--probe", required=True)
@@ -231,7 +129,6 @@ def verify(argv) -> int:
     p.add_argument("--version", default="base")
     p.add_argument("--tolerance", type=float, default=1e-4)
     a = p.parse_args(argv)
-    from .checkpoints import safe_load
     probe = safe_load.load(a.probe)
     model, args = model_class_for(a.kind).from_pretrained(a.merged, None)
     model.eval()
@@ -254,7 +151,6 @@ def verify(argv) -> int:
 
 
 def prepare(argv) -> int:
-    from .cogvlm import prepare_tiny_run
     p = argparse.ArgumentParser(prog="python -m sat_patches.finetune prepare")
     p.add_argument("--kind", choices=KINDS, default="cogvlm")
     p.add_argument("--workdir", required=True)

@@ -15,6 +15,8 @@ import os
 import runpy
 import sys
 
+import sat_patches  # noqa: F401  (arms every patch not disabled: they go on when the script imports SAT)
+
 USAGE = "usage: python -m sat_patches.launch SCRIPT.py [ARGS...]  |  python -m sat_patches.launch -m MODULE [ARGS...]"
 
 
@@ -37,7 +39,6 @@ def split_launcher_args(argv):
 
 def main(argv=None) -> None:
     (kind, target), script_args = split_launcher_args(sys.argv[1:] if argv is None else argv)
-    import sat_patches  # noqa: F401  (applies every patch not disabled)
     if kind == "module":
         sys.argv = [target, *script_args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)

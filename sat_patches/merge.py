@@ -17,14 +17,23 @@ for input it cannot merge; ``python -m sat_patches.merge`` prints the message an
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 from typing import Dict, List
 
 import torch
+from sat.arguments import _simple_init
+from sat.model.finetune.lora2 import merge_linear_lora, replace_linear_with_lora
+from sat.model.registry import model_registry
 
+from .checkpoints import adapter, files, sharding, writer
 from .checkpoints.files import CheckpointError
+from .checkpoints.state import load_state, meta_tensors
+from .core import coordination
+from .lora.layer import is_lora_layer
+from .runtime import construction
 
 LORA_A = ".matrix_A."
 
@@ -55,8 +64,6 @@ def _partition(state: dict, path: str, count: int):
 def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[str]:
     """Wrap every layer that has LoRA weights in ``state`` (SAT's ``replace_linear_with_lora``); a layer the
     model class already wrapped in its constructor (with its own rank and ``lora_alpha``) is kept as it is."""
-    from sat.model.finetune.lora2 import replace_linear_with_lora
-    from .lora.layer import is_lora_layer
     paths = []
     for path, count in sorted(lora_layers(state).items()):
         r = state[f"{path}.matrix_A.0"].shape[0]
@@ -70,7 +77,6 @@ def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[
 
 
 def fold_lora(model: torch.nn.Module, paths: List[str]) -> None:
-    from sat.model.finetune.lora2 import merge_linear_lora
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -87,8 +93,6 @@ def _checkpoint_dtype(state: dict) -> torch.dtype:
 def model_class(name: str, imports=()):
     """The registered SAT model class ``name``; ``imports`` are modules that register it (upstream
     CogVLM's ``utils.models``); sat_patches' own CogVLM/CogAgent are tried last."""
-    import importlib
-    from sat.model.registry import model_registry
     for module in [*imports, "sat_patches.cogvlm.models"]:
         try:
             return model_registry.get(name)
@@ -121,14 +125,12 @@ def build_args(config: dict, dtype: torch.dtype, imports=()):
 def write_checkpoint(model, config: dict, out_dir: str) -> None:
     """Write the MP=1 checkpoint (iteration 1) atomically: a temporary sibling directory, fsynced,
     renamed into place."""
-    from .checkpoints import writer
     with writer.new_checkpoint_dir(out_dir) as tmp:
         writer.write_layout(tmp, 1, {0: {"module": model.state_dict(), "iteration": 1}}, config)
 
 
 def adapter_base(ckpt, checkpoint: str):
     """The mapped shards of the base an adapter-only save names (checked against its fingerprint), or None."""
-    from .checkpoints import adapter, sharding
     manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
     return None if manifest is None else sharding.ShardedSource(adapter.base_checkpoint(manifest, checkpoint))
 
@@ -138,10 +140,6 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     """Merge ``checkpoint`` (any model-parallel size, LoRA or not) into an MP=1 checkpoint at
     ``out_dir`` with the LoRA products folded into the base weights. Raises :class:`MergeError` /
     :class:`CheckpointError` for input it cannot use. Returns what was merged."""
-    from .checkpoints import adapter, files, sharding
-    from .checkpoints.state import load_state, meta_tensors
-    from .core import coordination
-    from .runtime import construction
     if os.path.exists(out_dir) and not overwrite:
         raise MergeError(f"{out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
     ckpt = files.find_checkpoint(checkpoint, iteration)
@@ -152,7 +150,6 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     base = adapter_base(ckpt, checkpoint)  # an adapter-only save: its base's shards
     dtype = _checkpoint_dtype(base.state[0] if base else state)
     cls, args = build_args(config, dtype, imports)
-    from sat.arguments import _simple_init
     _simple_init(model_parallel_size=1, seed=1)
     with construction.build_on("meta", dtype):
         model = cls(args, params_dtype=dtype)

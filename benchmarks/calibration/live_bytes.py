@@ -55,7 +55,7 @@ class LiveBytes(TorchDispatchMode):
 
 def head_and_loss_peak(mp, tokens, hidden, vocab):
     """Forward and backward of the LM head (SAT's ColumnParallelLinear with gather_output, as
-    ``sat_patches.cogvlm.llama.LMMixin``) and the loss of ``sat_patches.finetune.lm_loss``, in bf16."""
+    ``sat_patches.cogvlm.llama.LMMixin``) and the loss of ``sat_patches.cogvlm.trainer.lm_loss``, in bf16."""
     from sat.mpu import ColumnParallelLinear
     from sat_patches.cogvlm.on_meta import collectives_as_shapes, model_parallel_as
     with model_parallel_as(mp), collectives_as_shapes(mp):
@@ -79,7 +79,7 @@ def one_layer_saved_bytes(tiny, shapes):
     import torch
     from sat.arguments import _simple_init
     from sat.model.base_model import get_model
-    from sat_patches import finetune
+    from sat_patches.cogvlm import trainer as finetune
     from sat_patches.cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for, tiny_args
     _simple_init(model_parallel_size=1, seed=1)
     tokenizer = llama2_tokenizer(tiny.tokenizer_dir)

@@ -52,7 +52,8 @@ def model_parallel() -> None:
 
 
 def model_args(config: dict, dev):
-    from sat_patches.cogvlm.config import _run_defaults, model_class_for
+    from sat_patches.cogvlm.config import _run_defaults
+    from sat_patches.cogvlm.models import model_class_for
     cls = model_class_for(config["model_class"], finetune=False)
     args = cls.get_args()
     for key, value in {**_run_defaults(), **copy.deepcopy(config)}.items():
@@ -274,7 +275,7 @@ def stock_model(config: dict, dev):
 def qlora(rec: Recorder, tiny: bool, scratch: str) -> None:
     """Part b."""
     import torch
-    from sat_patches.cogvlm.config import save_pretrained_dir
+    from sat_patches.cogvlm.tiny import save_pretrained_dir
     from sat_patches.planning.estimator import default_seq_len, plan_config
     dev = device()
     config = tiny_config("cogvlm") if tiny else full_config("cogvlm")
@@ -300,7 +301,7 @@ def qlora(rec: Recorder, tiny: bool, scratch: str) -> None:
         model = _qlora_load(rec, path, best, dev)
         if model is not None:
             _nf4_equals_bitsandbytes(rec, model, path)
-            from sat_patches.finetune import add_lora as demo_add_lora
+            from sat_patches.cogvlm.trainer import add_lora as demo_add_lora
             _step_row(rec, f"QLoRA: 2 steps at the plan's micro-batch for 1 x {GPU_GB['b']} GB", config, tokens,
                       micro_batch, planned, lambda: _with_lora(model, demo_add_lora))
     finally:
@@ -323,7 +324,7 @@ def _with_lora(model, add):
 def _qlora_load(rec: Recorder, path: str, best, dev):
     """Upstream's demo with ``--use_qlora``: ``from_pretrained`` (sat_patches streams the linears into NF4)."""
     import torch
-    from sat_patches.cogvlm.config import model_class_for
+    from sat_patches.cogvlm.models import model_class_for
     from sat_patches.lora import layer as lora
     weights = {k: v for k, v in best.estimate.device.items() if k.startswith("weights")}
     expected = f"plan weights {gb(sum(weights.values()))}" if cuda() else ""

@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from typing import Dict, Optional
 
 from ..core import settings
+from ..core.registry import SatPatchesWarning
 from .files import Checkpoint, CheckpointError, find_checkpoint
+from .writer import write_text_atomic
 
 MANIFEST = "adapter.json"
 SETTING = "SAT_PATCHES_SAVE_ADAPTER_ONLY"
@@ -73,8 +76,6 @@ def adapter_only(module) -> bool:
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     lora_only = bool(trainable) and all(is_adapter(n) for n in trainable)
     if chosen and (base is None or not lora_only):
-        import warnings
-        from ..core.registry import SatPatchesWarning
         why = ("the model was not loaded from a checkpoint" if base is None
                else "parameters besides LoRA's train" if trainable else "nothing trains (LoRA merged?)")
         warnings.warn(f"{SETTING}=1 but {why}: this save holds the whole model", SatPatchesWarning, stacklevel=2)
@@ -82,7 +83,6 @@ def adapter_only(module) -> bool:
 
 
 def write_manifest(folder: str, base: Dict) -> None:
-    from .writer import write_text_atomic
     write_text_atomic(os.path.join(folder, MANIFEST), json.dumps({"base": base}, indent=2))
 
 

@@ -12,14 +12,21 @@ import warnings
 from typing import Optional
 
 import torch.distributed as dist
+from sat import mpu
+from sat.arguments import _simple_init, overwrite_args_by_dict, reset_random_seed, update_args_with_file
+from sat.helpers import print_rank0
+from sat.model.base_model import get_model
+from sat.model.registry import model_registry
+from sat.resources import auto_create
 
 from ..checkpoints import adapter
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
 from ..checkpoints.sharding import ShardedSource
-from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device, meta_tensors, open_source,
-                                 restore_rng,)
+from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device,
+                                 meta_tensors, open_source, restore_rng,)
 from ..core.coordination import barrier, stage
 from ..core.registry import SatPatchesWarning
+from ..lora import qlora
 from ..runtime import construction, devices
 
 _all_ranks_load = False  # True inside training_main: every rank calls load_checkpoint
@@ -41,14 +48,12 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     """SAT's ``load_checkpoint`` (same arguments, same return: the iteration to resume from), reading
     this rank's slices from mapped files at any model-parallel size. With ``all_ranks`` (every rank
     loads: ``from_pretrained``, ``training_main``) the ranks meet at a :func:`barrier` afterwards."""
-    from sat.helpers import print_rank0
     if load_path is None and specific_iteration is None:  # training_main's --load: --iteration chooses
         specific_iteration = getattr(args, "load_iteration", None)
     source = source or open_source(find_checkpoint(load_path or args.load, specific_iteration), prefix)
     ckpt = source.ckpt
     mode = getattr(args, "mode", "inference")
     module = model.module if hasattr(model, "module") else model
-    from ..lora.qlora import nf4_as_loaded
     manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
     if manifest is not None:  # adapters only: onto the base the model already holds
         base = getattr(module, adapter.BASE_ATTRIBUTE, None)
@@ -58,7 +63,7 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
                 f"(from_pretrained('{manifest['base']['path']}'), then add LoRA as the run did), then this")
         adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
-        convert = nf4_as_loaded(module, args)
+        convert = qlora.nf4_as_loaded(module, args)
         # linears converted as they load (QLoRA's NF4) are copied: lent, their pages would stay mapped after
         # it; what stays as saved is lent as in any load (a converter that does not say what it converts:
         # everything is copied)
@@ -120,10 +125,8 @@ def _handle_missing(module, args, mode, missing):
 
 def _build(args, model_cls, kwargs, on_meta: bool):
     """Build like SAT's ``get_model``; on meta without initialising or moving anything."""
-    from sat.model.base_model import get_model
     if not on_meta:
         return get_model(args, model_cls, **kwargs)
-    from sat.helpers import print_rank0
     kwargs = dict(kwargs)
     dtype = construction.run_dtype(args, kwargs.pop("params_dtype", None))
     print_rank0(f"building {model_cls.__name__} model on meta, {dtype} ...")
@@ -140,7 +143,6 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     """Build ``model_cls(args)`` and load ``ckpt`` on every rank: on meta then materialised from the
     checkpoint when it holds every tensor, else on the compute device (initialised, as SAT's
     ``get_model``) then loaded into."""
-    from sat.helpers import print_rank0
     source = open_source(ckpt, prefix)  # before building: a damaged file stops here
     with stage(f"building {model_cls.__name__} on meta"):
         model = _build(args, model_cls, kwargs, on_meta=True)
@@ -159,8 +161,6 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
 def ensure_model_parallel(args) -> None:
     """torch.distributed and model-parallel groups of ``args.model_parallel_size``, before the model is
     built (SAT's ``BaseModel`` sets them up the same way; its ``from_pretrained`` re-creates them)."""
-    from sat import mpu
-    from sat.arguments import _simple_init
     size = getattr(args, "model_parallel_size", 1)
     if dist.is_initialized() and mpu.model_parallel_is_initialized() \
             and mpu.get_model_parallel_world_size() != size:
@@ -172,7 +172,6 @@ def ensure_model_parallel(args) -> None:
 def _model_parallel_in_use() -> Optional[int]:
     """The model-parallel size this process runs at (set up by the script's ``get_args`` from its
     ``--model-parallel-size``), or None before any is set up."""
-    from sat import mpu
     if dist.is_initialized() and mpu.model_parallel_is_initialized():
         return mpu.get_model_parallel_world_size()
     return None
@@ -181,7 +180,6 @@ def _model_parallel_in_use() -> Optional[int]:
 def _check_model_parallel_size(args, model_path: str, saved: int) -> None:
     """Say which model-parallel size the model loads at and which the checkpoint holds; stop, before
     anything is built, where that size cannot be honoured."""
-    from sat.helpers import print_rank0
     size = getattr(args, "model_parallel_size", 1)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     problems = []
@@ -210,9 +208,6 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
     ``--model-parallel-size``, set up by SAT's ``get_args``: SAT's ChatGLM2 example and VisualGLM-6B pass no
     ``overwrite_args``), else the checkpoint's; a size the model cannot be split into stops here.
     """
-    from sat.arguments import overwrite_args_by_dict, reset_random_seed, update_args_with_file
-    from sat.model.registry import model_registry
-    from sat.resources import auto_create
     model_path = name if os.path.isdir(name) else auto_create(name, path=home_path, url=url)
     read_model_config(model_path, need_class=model_cls is None)
     specific_iteration = kwargs.pop("specific_iteration", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from ..checkpoints.files import CheckpointError, find_checkpoint, missing_optimizer_shards
 from ..checkpoints.writer import replace_dir, write_text_atomic
 
 STAGING_PREFIX = ".saving-"
@@ -35,7 +36,6 @@ def publish(staged: str, save: str, world_size: int = 1, mp_size: int = 1) -> No
     ``latest`` last. Only a complete save is published: every model-parallel shard, and when the
     save holds ZeRO optimizer shards, one for every data-parallel and model-parallel rank; else
     :class:`CheckpointError` names what is missing and ``save`` keeps its previous checkpoint."""
-    from ..checkpoints.files import CheckpointError, find_checkpoint, missing_optimizer_shards
     ckpt = find_checkpoint(staged)  # every MP shard present and not truncated
     folder = os.path.dirname(ckpt.files[0])
     missing = missing_optimizer_shards(folder, max(world_size // mp_size, 1), mp_size)

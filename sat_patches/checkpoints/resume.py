@@ -8,16 +8,18 @@ import warnings
 from typing import Optional
 
 import torch
+from sat import mpu
+from sat.helpers import check_if_zero3
 
 from ..checkpoints import safe_load
-from ..checkpoints.files import CheckpointError
+from ..checkpoints.files import CheckpointError, find_checkpoint
+from ..checkpoints.state import restore_rng
 from ..core.registry import SatPatchesWarning
 
 
 def resuming(args) -> bool:
     """``training_main`` continuing a run: ``--mode pretrain --load`` with a loaded iteration > 0
     (not under ZeRO-3, whose z3_rank_* checkpoints SAT loads its own way)."""
-    from sat.helpers import check_if_zero3
     return (getattr(args, "mode", None) == "pretrain" and bool(getattr(args, "load", None))
             and int(getattr(args, "iteration", 0) or 0) > 0 and not check_if_zero3(args))
 
@@ -35,9 +37,7 @@ def _model_states(args) -> Optional[dict]:
     """This rank's ``mp_rank_XX_model_states.pt`` of the checkpoint being resumed, memory-mapped (opened
     once per resume: weights are not read); None (with a warning) when the checkpoint has another
     model-parallel size than this run."""
-    from sat import mpu
 
-    from ..checkpoints.files import find_checkpoint
     key = (args.load, int(args.iteration))
     if key not in _opened:
         _opened.clear()
@@ -145,7 +145,6 @@ def restore_rng_states(args) -> None:
     """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
     if getattr(args, "no_load_rng", False):
         return
-    from ..checkpoints.state import restore_rng
     states = _model_states(args)
     if states is not None:
         restore_rng(states)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
+from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from ..core import settings
 from .files import Checkpoint, CheckpointError
@@ -74,7 +75,6 @@ def split_of(model: torch.nn.Module, key: str, owner: torch.nn.Module, name: str
         found = rule(model, key, name)
         if found is not None:
             return None if found == "replicated" else found
-    from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     if isinstance(owner, ColumnParallelLinear) and name in ("weight", "bias"):
         return Split(0, _strides(owner.stride))
     if isinstance(owner, RowParallelLinear) and name == "weight":
@@ -90,7 +90,6 @@ COLUMN, ROW, PLAIN = "column", "row", "plain"
 
 
 def parallel_kind(layer: torch.nn.Module) -> str:
-    from sat.mpu import ColumnParallelLinear, RowParallelLinear
     if isinstance(layer, ColumnParallelLinear):
         return COLUMN
     if isinstance(layer, RowParallelLinear):

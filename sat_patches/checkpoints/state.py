@@ -9,23 +9,26 @@ Used by :mod:`sat_patches.checkpoints.loading` (SAT's ``load_checkpoint``/``from
 from __future__ import annotations
 
 import os
+import random
 import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Dict, List, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from sat import mpu
 
 from ..core.coordination import stage
 from ..core.registry import SatPatchesWarning
+from ..runtime import devices
 from .files import Checkpoint, CheckpointError
 from .sharding import ShardedSource, split_of
 
 
 def materialise_device() -> torch.device:
     """Where tensors built on meta are materialised: the compute device (CPU while it is meta)."""
-    from ..runtime import devices
     return devices.communication_device()
 
 
@@ -196,7 +199,6 @@ def meta_tensors(model: torch.nn.Module) -> List[str]:
 
 
 def _model_parallel() -> Tuple[int, int]:
-    from sat import mpu
     if dist.is_initialized() and mpu.model_parallel_is_initialized():
         return mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
     return 0, 1
@@ -246,7 +248,6 @@ def model_parallel_rng_tracker():
     """The model-parallel RNG tracker SAT forks for attention dropout (DeepSpeed's
     ``CudaRNGStatesTracker``, as ``sat.mpu.get_cuda_rng_tracker()``), or None where SAT has none (no
     CUDA at its import: ``sat.mpu.get_cuda_rng_tracker`` is None)."""
-    from sat import mpu
     get = getattr(mpu, "get_cuda_rng_tracker", None)
     return get() if get is not None else None
 
@@ -254,8 +255,6 @@ def model_parallel_rng_tracker():
 def restore_rng(saved: dict) -> None:
     """Set Python's, numpy's, torch's (and CUDA's and the model-parallel RNG tracker's) random states
     from a SAT checkpoint's saved dict; a state the checkpoint lacks is left as it is, with a warning."""
-    import random
-    import numpy as np
     states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
               ("torch_rng_state", torch.set_rng_state)]
     if torch.cuda.is_available():

@@ -22,6 +22,10 @@ import shutil
 import sys
 from typing import Iterator, Mapping, Optional
 
+import torch
+
+from .files import find_checkpoint
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -87,7 +91,6 @@ def write_text_atomic(path: str, text: str) -> None:
 def save_atomic(obj, path: str) -> None:
     """``torch.save(obj, path)`` through a temporary file renamed into place (several writers of the
     same file, e.g. data-parallel ranks holding the same shard, cannot mix their bytes)."""
-    import torch
     _write_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -149,7 +152,6 @@ def write_layout(directory: str, iteration: int, shards: Mapping[int, dict], con
 def publish_checkpoint_dir(staged: str, final: str) -> None:
     """:func:`replace_dir` once ``staged`` holds a complete checkpoint (every model-parallel shard of
     the iteration ``latest`` names, none truncated); else :class:`CheckpointError`, ``final`` untouched."""
-    from .files import find_checkpoint
     find_checkpoint(staged)
     replace_dir(staged, final)
 

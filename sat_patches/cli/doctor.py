@@ -21,8 +21,11 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional
 
+import sat_patches
+
 from ..core import settings
 from ..core.registry import VERIFIED_SAT
+from ..planning import estimator as plan
 from .output import imports_print_to_stderr
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
@@ -104,7 +107,7 @@ def _env_file(*paths: str) -> Dict[str, str]:
 
 
 def gather(hostfile: str = "hostfile") -> Facts:
-    import torch
+    import torch  # the CLI starts without torch; doctor reads it only when it runs
     facts = Facts(env=dict(os.environ), hostfile=hostfile)
     v = facts.versions
     v["python"] = platform.python_version()
@@ -129,7 +132,7 @@ def gather(hostfile: str = "hostfile") -> Facts:
                            "driver": drivers[i] if i < len(drivers) else None})
     if v["bitsandbytes"]:
         try:
-            import bitsandbytes.cextension as cext
+            import bitsandbytes.cextension as cext  # optional on CPU machines; whether it loads is checked
             cuda_library = getattr(cext, "CudaBNBNativeLibrary", None)   # bitsandbytes >= 0.44
             facts.bnb_cuda = bool((cuda_library and isinstance(getattr(cext, "lib", None), cuda_library))
                                   or getattr(cext, "COMPILED_WITH_CUDA", False))
@@ -150,7 +153,6 @@ def gather(hostfile: str = "hostfile") -> Facts:
     except OSError:
         facts.net_interfaces = []
     try:
-        import sat_patches
         facts.patches = sat_patches.status()
     except Exception as exc:  # noqa: BLE001
         facts.patches = [{"name": "import sat_patches", "status": "error", "reason": str(exc), "target": ""}]
@@ -445,7 +447,6 @@ def run(facts: Facts) -> List[Check]:
 
 def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optional[float]) -> None:
     """Fill ``host_needed_gb`` from the plan ``sat-patches plan`` would recommend."""
-    from ..planning import estimator as plan
     gpus = gpus or len(facts.gpus)
     gpu_mem = gpu_mem or (min(g["memory_gb"] for g in facts.gpus) if facts.gpus else None)
     if not gpus or not gpu_mem:

@@ -45,27 +45,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
-    from ..checkpoints.files import CheckpointError
-    from ..checkpoints.safe_load import UnsafeCheckpointError
+    from ..export import api  # torch and SAT: only once a conversion is asked for (the CLI starts without them)
     try:
         if a.verb == "hf":
-            from ..export.hf import export_hf
-            info = export_hf(a.checkpoint, a.output, a.iteration, a.lora_alpha, int(a.max_shard_size * 10**6),
+            info = api.export_hf(a.checkpoint, a.output, a.iteration, a.lora_alpha, int(a.max_shard_size * 10**6),
                              a.overwrite, a.hf_code)
             print(f"exported {info['model_class']} ({info['tensors']} tensors, {info['bytes'] / 1e9:.2f} GB in "
                   f"{info['shards']} shard(s), from {info['mp_size']} model-parallel shard(s), "
                   f"{info['lora_layers']} LoRA layer(s) folded) to {a.output}")
         elif a.verb == "peft":
-            from ..export.peft import export_peft
-            info = export_peft(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite, a.base_model)
+            info = api.export_peft(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite, a.base_model)
             print(f"exported the LoRA of {info['layers']} layer(s) (rank {info['rank']}; {info['fused']} fused "
                   f"qkv/kv as one LoRA of rank partition x r) to {a.output}")
         else:
-            from ..export.importer import import_hf
-            info = import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
+            info = api.import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
             print(f"imported {info['model_class']} ({info['tensors']} tensors) into {a.output} at model-parallel "
                   f"size {info['mp_size']}")
-    except (CheckpointError, UnsafeCheckpointError) as exc:
+    except (api.CheckpointError, api.UnsafeCheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 
+import sat_patches
+
 from .output import imports_print_to_stderr
 
 
 def cmd_status(args) -> int:
-    import sat_patches  # the status applies the patches, which imports SAT: only when this verb runs
     with imports_print_to_stderr():
         rows = sat_patches.status()
     print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))

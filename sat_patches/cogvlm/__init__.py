@@ -44,8 +44,8 @@ import sat_patches  # noqa: F401  (makes ``import sat`` work without triton/CUDA
 # (``shapes``, ``config``'s tables, ``text_processor``'s templates) cost nothing to the command-line tools.
 _MODULES = {
     "captcha_data": ["make_captcha_dataset"],
-    "config": ["TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_class_for", "model_config_dict", "read_model_config",
-               "save_pretrained_dir", "tiny_args", "tiny_config", "write_model_config"],
+    "config": ["TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_config_dict", "read_model_config", "tiny_config",
+               "write_model_config"],
     "dataset": ["EmptyDatasetError", "ItemDataset", "data_collator"],
     "eva_clip": ["EVA2CLIPModel"],
     "eva_clip_large": ["ExternalVisionModel"],
@@ -53,9 +53,9 @@ _MODULES = {
     "image_mixin": ["GLU", "ImageMixin", "vision_args"],
     "image_processor": ["BlipImageEvalProcessor", "get_image_processor"],
     "jsonl_dataset": ["JsonlDataset", "create_dataset_function"],
-    "models": ["CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel"],
+    "models": ["CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel", "model_class_for"],
     "text_processor": ["TextProcessor", "llama2_text_processor"],
-    "tiny": ["TinyRun", "build_tiny_model", "prepare_tiny_run"],
+    "tiny": ["TinyRun", "build_tiny_model", "prepare_tiny_run", "save_pretrained_dir", "tiny_args"],
     "tokenizer": ["check_vocab", "llama2_tokenizer", "train_tiny_tokenizer"],
     "vision_expert": ["LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin"],
 }

@@ -12,6 +12,8 @@ import os
 import random
 from typing import Iterable, List
 
+import captcha.image as captcha_image
+
 from .tokenizer import DEFAULT_ALPHABET
 
 
@@ -33,7 +35,6 @@ class _SeededSecrets:
 
 @contextlib.contextmanager
 def _seeded_captcha(rng: random.Random):
-    import captcha.image as captcha_image
     saved = getattr(captcha_image, "secrets", None)
     captcha_image.secrets = _SeededSecrets(rng)
     try:

@@ -8,12 +8,9 @@ images: ``image_length`` 1225 = (490/14)^2, EVA ``max_sequence_length`` 1226).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
-import shutil
-from typing import Optional
 
 from .shapes import EVA_E_ARGS, UPSTREAM_CONFIGS  # noqa: F401  (the one table of model shapes)
 
@@ -52,14 +49,6 @@ def tiny_config(kind: str = "cogvlm") -> dict:
     raise ValueError(f"kind must be 'cogvlm' or 'cogagent', not {kind!r}")
 
 
-def model_class_for(kind_or_name: str, finetune: bool = True):
-    from . import models
-    name = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}.get(kind_or_name, kind_or_name)
-    if finetune and not name.startswith("FineTuneTrain"):
-        name = "FineTuneTrain" + name
-    return getattr(models, name)
-
-
 def _run_defaults() -> dict:
     """Settings of a single-process CPU run that SAT's ``get_model``/``BaseModel`` read."""
     return {
@@ -70,23 +59,6 @@ def _run_defaults() -> dict:
         "checkpoint_num_layers": 1, "hidden_dropout": 0.0, "attention_dropout": 0.0,
         "max_length": TINY_MAX_LENGTH,
     }
-
-
-def tiny_args(kind: str = "cogvlm", directory: Optional[str] = None, finetune: bool = True,
-              **overrides) -> argparse.Namespace:
-    """Arguments for ``sat.model.base_model.get_model(args, model_cls)`` building the tiny ``kind``
-    ('cogvlm' or 'cogagent'): the model class's SAT defaults, the tiny config, single-process CPU
-    run settings (no dropout), then ``overrides``. With ``directory``, also writes
-    ``directory/model_config.json``. ``args.model_class`` names the matching FineTuneTrain class."""
-    config = tiny_config(kind)
-    cls = model_class_for(config["model_class"], finetune=finetune)
-    args = cls.get_args()
-    for key, value in {**_run_defaults(), **copy.deepcopy(config), **overrides}.items():
-        setattr(args, key, value)
-    args.model_class = cls.__name__
-    if directory is not None:
-        write_model_config(args, directory)
-    return args
 
 
 def model_config_dict(args) -> dict:
@@ -121,36 +93,3 @@ def read_model_config(directory_or_file: str) -> dict:
         path = os.path.join(path, "model_config.json")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def save_pretrained_dir(model, args, directory: str, iteration: int = 1) -> str:
-    """Write ``model`` in SAT's checkpoint layout so ``Model.from_pretrained(directory, args)`` /
-    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and every model-parallel
-    rank's ``<iteration>/mp_rank_XX_model_states.pt`` (every rank calls this).
-
-    The ranks write into a temporary sibling directory that global rank 0 then renames to
-    ``directory`` (:mod:`sat_patches.checkpoints.writer`): ``directory`` is replaced as a whole, and
-    only by a complete checkpoint."""
-    import torch.distributed as dist
-    from sat import mpu
-    from ..checkpoints import writer
-    from ..core.coordination import barrier
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    staged = writer.staging_dir_for(directory, shared=True)
-    if first:
-        shutil.rmtree(staged, ignore_errors=True)  # left by a save that crashed
-        os.makedirs(staged)
-    barrier(f"staging '{directory}'")
-    module = model.module if hasattr(model, "module") else model
-    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    mp_rank = mpu.get_model_parallel_rank() if mpu.model_parallel_is_initialized() else 0
-    writer.write_layout(staged, iteration, {mp_rank: {"module": state, "iteration": iteration}},
-                        config=model_config_dict(args) if mp_rank == 0 else None, latest=mp_rank == 0)
-    barrier(f"saved a shard of '{directory}'")
-    if first:
-        try:
-            writer.publish_checkpoint_dir(staged, directory)
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
-    barrier(f"saved '{directory}'")
-    return directory

@@ -150,3 +150,10 @@ class FineTuneTrainCogAgentModel(CogAgentModel):
     def add_model_specific_args(cls, parser):
         _add_finetune_args(parser, "CogAgent-finetune")
         return super().add_model_specific_args(parser)
+
+
+def model_class_for(kind_or_name: str, finetune: bool = True):
+    name = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}.get(kind_or_name, kind_or_name)
+    if finetune and not name.startswith("FineTuneTrain"):
+        name = "FineTuneTrain" + name
+    return globals()[name]

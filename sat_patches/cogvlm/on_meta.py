@@ -8,6 +8,14 @@ import sys
 from typing import Dict, Iterator, Tuple
 from unittest import mock
 
+import sat.mpu.initialize as initialize
+import sat.mpu.mappings as mappings
+import torch
+
+from ..runtime import construction
+from . import config as cogvlm_config
+from .models import model_class_for
+
 
 @contextlib.contextmanager
 def _stood_in(stand_ins: Dict[str, Tuple[object, object]]) -> Iterator[None]:
@@ -23,7 +31,6 @@ def _stood_in(stand_ins: Dict[str, Tuple[object, object]]) -> Iterator[None]:
 def model_parallel_as(size: int, rank: int = 0):
     """SAT's model-parallel world size and rank read as ``size`` and ``rank`` by every loaded
     module, without a process group (layers size their shards from these)."""
-    import sat.mpu.initialize as initialize
     return _stood_in({"get_model_parallel_world_size": (initialize.get_model_parallel_world_size, lambda: size),
                       "get_model_parallel_rank": (initialize.get_model_parallel_rank, lambda: rank)})
 
@@ -31,8 +38,6 @@ def model_parallel_as(size: int, rank: int = 0):
 def collectives_as_shapes(mp: int):
     """SAT's model-parallel collectives as their output shapes on rank 0 of ``mp``, wherever a loaded module
     imported them (no process group: the tensors may be on meta)."""
-    import sat.mpu.mappings as mappings
-    import torch
     shapes = {
         "gather_from_model_parallel_region": lambda x: torch.cat([x] * mp, dim=-1),
         "scatter_to_model_parallel_region": lambda x: x[..., : x.shape[-1] // mp].contiguous(),
@@ -45,10 +50,7 @@ def collectives_as_shapes(mp: int):
 def build_on_meta(config: dict, mp: int = 1):
     """The model of ``config`` (a ``model_config.json`` dict of CogVLM or CogAgent) as model-parallel
     rank 0 of ``mp`` holds it, on meta, in bf16."""
-    import torch
-    from . import config as cogvlm_config
-    from ..runtime import construction
-    cls = cogvlm_config.model_class_for(config["model_class"], finetune=False)
+    cls = model_class_for(config["model_class"], finetune=False)
     args = cls.get_args()
     for key, value in {**cogvlm_config._run_defaults(), **copy.deepcopy(config)}.items():
         setattr(args, key, value)

@@ -8,11 +8,23 @@ folders (``data/train``, ``data/valid``) and a randomly initialised model in SAT
 """
 from __future__ import annotations
 
+import argparse
+import copy
 import os
+import shutil
 from dataclasses import dataclass
+from typing import Optional
 
+import torch.distributed as dist
+from sat import mpu
+from sat.model.base_model import get_model
+
+from ..checkpoints import writer
+from ..core.coordination import barrier
+from ..data.jsonl import write_jsonl
 from .captcha_data import make_captcha_dataset
-from .config import TINY_MAX_LENGTH, model_class_for, save_pretrained_dir, tiny_args
+from .config import TINY_MAX_LENGTH, _run_defaults, model_config_dict, tiny_config, write_model_config
+from .models import model_class_for
 from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
 
 
@@ -37,7 +49,6 @@ class TinyRun:
 
 def build_tiny_model(kind: str = "cogvlm", **overrides):
     """``(model, args)`` of the tiny FineTuneTrain model, built with SAT's ``get_model``."""
-    from sat.model.base_model import get_model
     args = tiny_args(kind, **overrides)
     return get_model(args, model_class_for(kind)), args
 
@@ -63,7 +74,6 @@ def write_captcha_conversations(images: str, path: str, turns: bool = True) -> i
     answer to ``CAPTCHA:`` is the label; with ``turns``, every third record is a two-turn conversation
     (the number of characters, then the label) and every third a grounding question (a box in CogVLM's
     ``[[x0,y0,x1,y1]]`` form). Returns the number of records."""
-    from ..data.jsonl import write_jsonl
     records = []
     for i, image in enumerate(sorted(os.listdir(images))):
         label, rel = os.path.splitext(image)[0], os.path.relpath(os.path.join(images, image), os.path.dirname(path))
@@ -77,3 +87,49 @@ def write_captcha_conversations(images: str, path: str, turns: bool = True) -> i
             records.append({"image": rel, "prompt": "CAPTCHA:", "answer": label})
     write_jsonl(path, records)
     return len(records)
+
+
+def save_pretrained_dir(model, args, directory: str, iteration: int = 1) -> str:
+    """Write ``model`` in SAT's checkpoint layout so ``Model.from_pretrained(directory, args)`` /
+    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and every model-parallel
+    rank's ``<iteration>/mp_rank_XX_model_states.pt`` (every rank calls this).
+
+    The ranks write into a temporary sibling directory that global rank 0 then renames to
+    ``directory`` (:mod:`sat_patches.checkpoints.writer`): ``directory`` is replaced as a whole, and
+    only by a complete checkpoint."""
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    staged = writer.staging_dir_for(directory, shared=True)
+    if first:
+        shutil.rmtree(staged, ignore_errors=True)  # left by a save that crashed
+        os.makedirs(staged)
+    barrier(f"staging '{directory}'")
+    module = model.module if hasattr(model, "module") else model
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    mp_rank = mpu.get_model_parallel_rank() if mpu.model_parallel_is_initialized() else 0
+    writer.write_layout(staged, iteration, {mp_rank: {"module": state, "iteration": iteration}},
+                        config=model_config_dict(args) if mp_rank == 0 else None, latest=mp_rank == 0)
+    barrier(f"saved a shard of '{directory}'")
+    if first:
+        try:
+            writer.publish_checkpoint_dir(staged, directory)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+    barrier(f"saved '{directory}'")
+    return directory
+
+
+def tiny_args(kind: str = "cogvlm", directory: Optional[str] = None, finetune: bool = True,
+              **overrides) -> argparse.Namespace:
+    """Arguments for ``sat.model.base_model.get_model(args, model_cls)`` building the tiny ``kind``
+    ('cogvlm' or 'cogagent'): the model class's SAT defaults, the tiny config, single-process CPU
+    run settings (no dropout), then ``overrides``. With ``directory``, also writes
+    ``directory/model_config.json``. ``args.model_class`` names the matching FineTuneTrain class."""
+    config = tiny_config(kind)
+    cls = model_class_for(config["model_class"], finetune=finetune)
+    args = cls.get_args()
+    for key, value in {**_run_defaults(), **copy.deepcopy(config), **overrides}.items():
+        setattr(args, key, value)
+    args.model_class = cls.__name__
+    if directory is not None:
+        write_model_config(args, directory)
+    return args

@@ -22,6 +22,9 @@ import string
 import tempfile
 from typing import Iterable, Optional
 
+import sentencepiece as spm
+from transformers import LlamaTokenizer
+
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase
 TEMPLATE_TEXT = [
     "CAPTCHA:", "[INST] CAPTCHA: [/INST] ", "Question: What is the CAPTCHA in image? Short answer: ",
@@ -44,8 +47,6 @@ def train_tiny_tokenizer(directory: str, alphabet: str = DEFAULT_ALPHABET, extra
     """Train and save a LLaMA-style tokenizer in ``directory``; returns ``directory``. The result
     has at most ``vocab_size`` entries (sentencepiece may stop earlier on little text) and needs
     ``vocab_size`` >= 259 + the characters seen, for the 256 byte-fallback pieces."""
-    import sentencepiece as spm
-    from transformers import LlamaTokenizer
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -67,7 +68,6 @@ def train_tiny_tokenizer(directory: str, alphabet: str = DEFAULT_ALPHABET, extra
 def llama2_tokenizer(tokenizer_path: str, signal_type: str = "base"):
     """Load a LLaMA tokenizer the way upstream's ``--local_tokenizer`` does and add its attributes
     (``boi``/``eoi`` "[IMG]"/"[/IMG]", ``signal_type``). A missing pad token becomes ``<unk>``."""
-    from transformers import LlamaTokenizer
 
     if signal_type not in ("base", "chat", "vqa", "chat_old"):
         raise ValueError(f"signal_type must be base, chat, vqa or chat_old, not {signal_type!r}")

@@ -28,8 +28,10 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
-from ..core import settings
 
+from PIL import Image
+
+from ..core import settings
 
 SETTING = "SAT_PATCHES_BAD_RECORDS"
 MAX_SETTING = "SAT_PATCHES_BAD_RECORDS_MAX"
@@ -84,7 +86,6 @@ def _image_problem(path: str) -> Optional[str]:
     if not os.path.isfile(path):
         return f"image {path} does not exist"
     try:
-        from PIL import Image
         with Image.open(path) as image:
             image.convert("RGB")  # decodes the whole file: truncated or corrupt files fail here
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
@@ -221,5 +222,5 @@ def folder_images(path: str, suffixes=(".jpg",)) -> List[str]:
 
 def write_jsonl(path: str, records: List[Dict]) -> None:
     """Write ``records`` one per line, atomically (:func:`sat_patches.checkpoints.writer.write_text_atomic`)."""
-    from ..checkpoints.writer import write_text_atomic
+    from ..checkpoints.writer import write_text_atomic  # the writer imports torch; record checks must not
     write_text_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))

@@ -6,8 +6,9 @@ phases (build, load, lora, deepspeed_init, first_step) are marked on its line. N
 """
 from __future__ import annotations
 
+import csv
 import os
-from typing import List, Optional
+from typing import Optional
 
 from . import ledger_files
 
@@ -17,9 +18,9 @@ MARKED = ("build", "load", "split", "lora", "deepspeed_init", "first_step")
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional (the report extra)
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError as exc:
         raise RuntimeError("sat-patches report needs matplotlib: pip install 'sat_patches[report]' "
                            "(or pip install matplotlib)") from exc
@@ -28,7 +29,6 @@ def _pyplot():
 
 def draw_loss_curve(run_dir: str) -> str:
     """``loss_curve.png`` from the run's ``loss_curve.csv`` (one row per logged step)."""
-    import csv
     with open(os.path.join(run_dir, "loss_curve.csv"), newline="") as f:
         rows = [(int(r["iteration"]), float(r["loss"])) for r in csv.DictReader(f)]
     plt = _pyplot()

@@ -17,9 +17,12 @@ import threading
 import time
 from typing import Dict, Optional
 
+import torch.distributed as dist
+
 from ..core import fenced, settings
 from ..core.coordination import group_store
 from ..runtime.checks import BadInputError
+from . import watchdog as hangs
 
 HEARTBEAT_ENV = "SAT_PATCHES_HEARTBEAT_TIMEOUT"
 
@@ -100,7 +103,6 @@ class Heartbeat:
     def fire(self, reason: str) -> None:
         """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
         dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
-        from . import watchdog as hangs
         hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=hangs.in_collective())
 
     def wait_for_dead(self) -> Optional[str]:
@@ -121,7 +123,6 @@ _heartbeat: Optional[Heartbeat] = None
 
 def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     global _heartbeat
-    import torch.distributed as dist
     timeout = heartbeat_timeout() if timeout is None else timeout
     if _heartbeat is not None or timeout is None or not dist.is_initialized() or dist.get_world_size() < 2:
         return _heartbeat

@@ -11,9 +11,9 @@ from dataclasses import asdict
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from ..core import settings
-from ..core import fenced
+from ..core import fenced, settings
 from .ledger_files import RANK_CSV, MiB, Row, append, flagged, format_table, host_memory, latest_per_rank, write
 
 
@@ -26,7 +26,6 @@ def cuda_memory() -> Dict[str, float]:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
@@ -73,7 +72,6 @@ class Ledger:
 
     def gather(self) -> List[Row]:
         """Every rank's pending rows, on rank 0 (a collective: all ranks call it at the same step)."""
-        import torch.distributed as dist
         mine, self.pending = [asdict(r) for r in self.pending], []
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [Row(**r) for r in mine]

@@ -9,6 +9,7 @@ import csv
 import glob
 import json
 import os
+import resource
 import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional
@@ -45,7 +46,6 @@ def host_memory() -> Dict[str, float]:
             status = dict(line.split(":", 1) for line in f if ":" in line)
         return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "rss_peak_mib": int(status["VmHWM"].split()[0]) / 1024}
     except (OSError, KeyError, ValueError):
-        import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return {"rss_mib": peak, "rss_peak_mib": peak}
 

@@ -7,6 +7,8 @@ import csv
 import datetime
 import os
 
+from .charts import draw_loss_curve
+
 CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"
 
 
@@ -32,7 +34,6 @@ def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: flo
         if fresh:
             writer.writerow(["iteration", "loss", "lr", "seconds_per_iteration"])
         writer.writerow([step, loss, lr, elapsed_ms / 1000])
-    from .charts import draw_loss_curve
     try:
         draw_loss_curve(run_dir)
     except RuntimeError:  # no matplotlib: the CSV is the curve

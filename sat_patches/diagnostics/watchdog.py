@@ -12,6 +12,7 @@ import time
 from typing import Dict, Optional
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from ..core import settings
 from ..core.coordination import group_store
@@ -134,7 +135,6 @@ def start_watchdog(timeout: Optional[float] = None) -> Watchdog:
     global _watchdog
     chosen = timeout if timeout is not None else collective_timeout()
     if chosen is not None and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
         for group in list(_world.pg_map):
             try:
                 _set_pg_timeout(datetime.timedelta(seconds=chosen), group)

@@ -14,6 +14,7 @@ import os
 from typing import Dict
 
 import torch
+from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 
 from ..checkpoints import files, sharding, writer
 from ..checkpoints.files import CheckpointError
@@ -70,7 +71,6 @@ def rank_piece(full: torch.Tensor, split, mp: int, rank: int) -> torch.Tensor:
 
 def rotary_inv_freq(config: dict) -> torch.Tensor:
     """The rotary ``inv_freq`` buffer SAT builds for ``config`` (its own ``FastRotaryEmbedding``, fp32)."""
-    from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
     dim = config["hidden_size"] // config["num_attention_heads"]
     return FastRotaryEmbedding(dim, pos_idx_in_fp32=False, device="cpu").inv_freq
 

@@ -19,6 +19,9 @@ import torch
 
 from ..checkpoints import files, sharding
 from ..checkpoints.files import CheckpointError
+from ..cogvlm.on_meta import build_on_meta
+from ..lora.layer import add_lora_product
+from ..merge import adapter_base
 from . import names
 
 _LORA = re.compile(r"^(?P<path>.+)\.matrix_(?P<factor>[AB])\.(?P<index>\d+)$")
@@ -48,7 +51,6 @@ def canonical(key: str) -> str:
 
 def build_meta(config: dict, where: str = "model_config.json") -> torch.nn.Module:
     """The model of ``config`` at full size (model-parallel size 1) on meta: shapes and splits, no memory."""
-    from ..cogvlm.on_meta import build_on_meta
     try:
         return build_on_meta(config, mp=1)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -60,7 +62,6 @@ class SatCheckpoint:
     """The tensors of a SAT checkpoint of CogVLM or CogAgent, as full-size (MP=1) tensors, LoRA folded."""
 
     def __init__(self, path: str, iteration: Optional[int] = None, lora_alpha: float = 1.0):
-        from ..merge import adapter_base
         self.path = path
         self.ckpt = files.find_checkpoint(path, iteration)
         self.config = files.read_model_config(path, need_class=True)
@@ -158,7 +159,6 @@ class SatCheckpoint:
         t = self.raw(name)
         path = name[: -len(".weight")] if name.endswith(".weight") else None
         if path in self.loras:
-            from ..lora.layer import add_lora_product
             raw, t = t, t.clone()
             self.release(raw)
             lora = self.lora(path)

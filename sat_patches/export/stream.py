@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -18,6 +19,7 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 import torch
 
 from ..checkpoints import writer
+from .source import ExportError
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -83,7 +85,6 @@ def new_folder(final: str, overwrite: bool = False) -> Iterator[str]:
     one rename (an existing ``OUT`` only with ``overwrite``, swapped out whole); on an error nothing of it
     stays and ``OUT`` is as it was."""
     if os.path.exists(final) and not overwrite:
-        from .source import ExportError
         raise ExportError(f"{final} exists; choose a new output folder or pass --overwrite")
     tmp = writer.staging_dir_for(final)
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
@@ -107,7 +108,6 @@ _FROM_NAME = {v: k for k, v in DTYPES.items()}
 
 def read_header(path: str) -> dict:
     """The JSON header of a safetensors file (name -> dtype, shape, data_offsets), checked for truncation."""
-    from .source import ExportError
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -131,7 +131,6 @@ def read_header(path: str) -> dict:
 
 def mapped_tensors(path: str, header: dict) -> dict:
     """The tensors of a safetensors file as views of a private memory mapping (nothing read until used)."""
-    import mmap
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     start, out = header["__data_start__"], {}
@@ -140,7 +139,6 @@ def mapped_tensors(path: str, header: dict) -> dict:
             continue
         dtype = _FROM_NAME.get(info["dtype"])
         if dtype is None:
-            from .source import ExportError
             raise ExportError(f"'{path}': {name} has dtype {info['dtype']}, which is not a weight dtype here")
         begin, end = info["data_offsets"]
         count = (end - begin) // torch.empty((), dtype=dtype).element_size()

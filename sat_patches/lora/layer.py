@@ -23,6 +23,7 @@ import math
 from typing import List, Optional
 
 import torch
+from sat.model.finetune import lora2
 from sat.mpu import mappings
 from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
@@ -178,7 +179,6 @@ def replace_linear_with_lora(lin, partition, r, *args, **kw_args):
     ``in_size``/``out_size`` (SAT's reinit passes ``hidden_size``, wrong for ``attention.dense`` when
     ``inner_hidden_size`` differs) are accepted and ignored: the layer's own full shape is used.
     """
-    from sat.model.finetune import lora2
     kw_args.pop("in_size", None)
     kw_args.pop("out_size", None)
     out_dim, in_dim = full_shape(lin)

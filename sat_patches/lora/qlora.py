@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import bitsandbytes.functional as bnbf
 import torch
+from bitsandbytes.nn import Linear4bit, LinearNF4, Params4bit
+from sat.model.base_model import BaseModel
 from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
@@ -23,7 +26,6 @@ CPU_QUANTIZE_CHUNK = 2 ** 20
 
 def nf4_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
     """A bitsandbytes ``LinearNF4`` holding ``weight`` quantised on its own device; ``bias`` by reference."""
-    from bitsandbytes.nn import LinearNF4, Params4bit
     if weight.device.type == "meta":
         raise ValueError("QLoRA quantises the base weights: load them before adding LoRA (they are on meta)")
     out_features, in_features = weight.shape
@@ -53,7 +55,6 @@ def quantize_nf4_in_chunks(weight: torch.Tensor, blocksize: int, storage: torch.
     double quantisation of the absmax vector looks at all of it (its offset is the mean), and it runs
     once on the whole, small vector, as bitsandbytes does.
     """
-    import bitsandbytes.functional as bnbf
     flat, chunk = weight.reshape(-1), chunk or CPU_QUANTIZE_CHUNK
     step = max(blocksize, chunk - chunk % blocksize)
     packed, absmax = [], []
@@ -77,7 +78,6 @@ def quantize_nf4(layer: nn.Module) -> nn.Module:
 
 def dequantize_nf4(layer: nn.Module) -> torch.Tensor:
     """The float weight of an NF4/FP4 layer (``dequantize_4bit`` reads the type from the state)."""
-    import bitsandbytes.functional as bnbf
     weight = layer.weight
     if getattr(weight.quant_state, "packing_format_for_cpu", False):
         # bitsandbytes' CPU inference path repacked it; the inverse rewrites quant_state in place,
@@ -92,7 +92,6 @@ FLOAT_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 def quantize_linears_nf4(module: nn.Module, _done: Optional[dict] = None) -> None:
     """Replace every float linear layer under ``module`` with an NF4 one, in place (QLoRA's base)."""
-    from bitsandbytes.nn import Linear4bit
     done = {} if _done is None else _done  # id -> (old, new): a layer shared by two parents stays shared
     for name, child in list(module.named_children()):
         if id(child) in done:
@@ -116,7 +115,6 @@ def qlora_base(model: nn.Module) -> List[nn.Module]:
     extend it (CogVLM's vision experts, LLaMA's gate projections); not a mixin holding a model of its
     own (CogVLM's EVA vision tower), not the adapters, and not the LM head (LLaMA's ``lm``, ChatGLM2's
     ``chatglm-final``: a mixin with an ``lm_head``), which QLoRA keeps in the run's dtype as it does the embeddings."""
-    from sat.model.base_model import BaseModel
     roots = [model.transformer] if hasattr(model, "transformer") else []
     for name, mixin in getattr(model, "mixins", {}).items():
         if name not in ("lora", "lm") and not hasattr(mixin, "lm_head") \
@@ -140,7 +138,6 @@ def nf4_as_loaded(model: nn.Module, args):
     if get_model_parallel_world_size() > 1:
         raise NotImplementedError("QLoRA with model_parallel_size > 1 is not supported: an NF4 base layer has no "
                                   "model-parallel forward; use MP_SIZE=1 (QLoRA fits CogVLM on one 24 GB GPU)")
-    from bitsandbytes.nn import Linear4bit
     inside = {id(m) for root in qlora_base(model) for m in root.modules()}
     done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 
+import torch.distributed as dist
+
 from ..checkpoints import adapter
 from ..core.registry import Patch, expect_names
 
@@ -23,7 +25,6 @@ def _save_ds_checkpoint_no_optim(original):
         module = getattr(model, "module", model)
         if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
             return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
-        import torch.distributed as dist
         base = getattr(module, adapter.BASE_ATTRIBUTE)
         model._save_checkpoint = functools.partial(type(model)._save_checkpoint, model, exclude_frozen_parameters=True)
         try:

@@ -32,6 +32,9 @@ import functools
 import os
 import shutil
 
+import torch.distributed as dist
+from sat import mpu
+
 from ..checkpoints import save_lock
 from ..checkpoints.publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
 from ..checkpoints.writer import fsync_tree
@@ -47,7 +50,6 @@ def _save_checkpoint(original):
     THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to resume from)."""
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
-        import torch.distributed as dist
         save = getattr(args, "save", None)
         if not save or not dist.is_initialized():
             return original(iteration, model, optimizer, lr_scheduler, args)
@@ -80,7 +82,6 @@ def _save_checkpoint(original):
             fsync_tree(staged)  # every rank: the files it wrote are durable (on its node) before publishing
             dist.barrier()
             if rank == 0:
-                from sat import mpu
                 publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)  # a full disk, a failed write: nothing left behind

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from sat.helpers import check_if_zero3
+
 from ..core.registry import Patch, expect_params
 from ..runtime import devices
 from ..runtime.construction import build_on, current_build, model_dtype, move_to_build, run_dtype
@@ -37,7 +39,6 @@ def _construct_model(original):
     """``SomeModel(args, ...)`` for every SAT model class: build inside :func:`build_on`."""
     def __call__(cls, *args, **kwargs):
         sat_args = _model_args(args, kwargs)
-        from sat.helpers import check_if_zero3
         if current_build() is not None or (sat_args is not None and check_if_zero3(sat_args)):
             return original(cls, *args, **kwargs)  # nested, or DeepSpeed zero.Init places params
         with build_on(devices.compute_device(), run_dtype(sat_args, kwargs.get("params_dtype"))):

@@ -10,10 +10,15 @@ allocations follow it instead of a hard-coded device.
 from __future__ import annotations
 
 import functools
+import random
 import time
 
+import numpy as np
 import torch
+from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
+from sat.training.model_io import save_ds_checkpoint_no_optim
 
+from ..checkpoints.state import model_parallel_rng_tracker
 from ..core.registry import Patch, expect_names
 from ..runtime.devices import communication_device, compute_device, synchronize
 
@@ -39,7 +44,6 @@ def _timer_method(original):
 
 def _broadcast_data(original):
     """``mpu.broadcast_data`` packs on ``torch.cuda.current_device()`` (sat/mpu/data.py)."""
-    from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
 
     @functools.wraps(original)
     def broadcast_data(keys, data, datatype):
@@ -74,13 +78,10 @@ def _save_ds_checkpoint(original):
     """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save (CPU
     runs), and the model-parallel RNG tracker's states, which SAT's ``load_checkpoint`` restores but
     its save never wrote (a resumed CUDA run re-drew its attention-dropout masks)."""
-    import random
 
-    import numpy as np
 
     @functools.wraps(original)
     def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False):
-        from sat.training.model_io import save_ds_checkpoint_no_optim
         sd = {"iteration": iteration}
         if lr_scheduler is not None:
             sd["client_lr_scheduler"] = lr_scheduler.state_dict()
@@ -90,7 +91,6 @@ def _save_ds_checkpoint(original):
             sd["torch_rng_state"] = torch.get_rng_state()
             if compute_device().type == "cuda":
                 sd["cuda_rng_state"] = torch.cuda.get_rng_state()
-            from ..checkpoints.state import model_parallel_rng_tracker
             tracker = model_parallel_rng_tracker()
             if tracker is not None:  # SAT's load_checkpoint reads these back; its save never wrote them
                 sd["rng_tracker_states"] = tracker.get_states()

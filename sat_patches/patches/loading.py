@@ -28,6 +28,8 @@ import functools
 import sys
 
 import torch.distributed as dist
+from sat.helpers import check_if_zero3
+from sat.training import model_io
 
 from ..checkpoints import safe_load
 from ..checkpoints.loading import SharedStartClock, all_ranks_loading, from_pretrained, load_checkpoint
@@ -39,9 +41,7 @@ def _load_checkpoint(original):
     """SAT's load_checkpoint, mapped and rank-local; ZeRO-3 models keep SAT's own path."""
     @functools.wraps(original)
     def wrapper(model, args, load_path=None, prefix="", specific_iteration=None):
-        from sat.helpers import check_if_zero3
         if check_if_zero3(args):
-            from sat.training import model_io
             with safe_load.module_loads_safely(model_io):
                 return original(model, args, load_path=load_path, prefix=prefix,
                                 specific_iteration=specific_iteration)
@@ -54,9 +54,7 @@ def _from_pretrained(auto: bool):
     def make(original):
         @functools.wraps(original.__func__)
         def wrapper(cls, name, args=None, **kwargs):
-            from sat.helpers import check_if_zero3
             if args is not None and check_if_zero3(args):
-                from sat.training import model_io
                 with safe_load.module_loads_safely(model_io):
                     return original.__func__(cls, name, args, **kwargs)
             return from_pretrained(None if auto else cls, name, args, **kwargs)

@@ -9,6 +9,7 @@ a ``NameError``.
 from __future__ import annotations
 
 from sat.helpers import print_rank0
+from sat.model.finetune import lora2
 
 from ..core.registry import Patch, expect_names, expect_params
 from ..lora.layer import LoraLinear, full_shape, lora_targets, merge_linear_lora, replace_linear_with_lora
@@ -18,7 +19,6 @@ from ..lora.qlora import qlora_base, quantize_linears_nf4
 def _reinit(original):
     """THUDM/CogVLM#438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
     def reinit(self, parent_model=None):
-        from sat.model.finetune import lora2
         transformer = parent_model.transformer
         for i in self.layer_range:
             for owner, name, partition in lora_targets(transformer.layers[i], self.cross_attention):

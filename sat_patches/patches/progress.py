@@ -15,6 +15,7 @@ import functools
 import logging
 import warnings
 
+import torch
 import torch.distributed as dist
 
 from ..core import fenced, noise
@@ -67,7 +68,6 @@ def _report_evaluate_metrics(original):
     """SAT's evaluation report with its metrics as float32: a bf16 run's metrics (a script that returns its
     loss in the model's dtype, as SAT's ChatGLM2 example does) are bf16 tensors, which TensorBoard's
     ``add_scalar`` refuses ("Got unsupported ScalarType BFloat16") at the run's first evaluation."""
-    import torch
 
     @functools.wraps(original)
     def report_evaluate_metrics(summary_writer, prefix, loss, ppl, step, args, avg_metrics):

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import functools
 
+from sat.helpers import check_if_zero3
+
 from ..checkpoints.resume import (SCHEDULE_KEYS, close_resumed_states, load_optimizer_states, restore_lr_schedule,
                                   restore_rng_states, resumable, resuming, save_optimizer_states,)
 from ..core.registry import Patch, expect_names, expect_params
@@ -46,7 +48,6 @@ def _save_checkpoint(original):
     """SAT saves no ZeRO optimizer shards (``save_ds_checkpoint_no_optim``; CogVLM finetune resume)."""
     @functools.wraps(original)
     def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
-        from sat.helpers import check_if_zero3
         if getattr(args, "save", None) and not check_if_zero3(args):
             save_optimizer_states(model, args.save, iteration)  # before SAT's closing barrier
         return original(iteration, model, optimizer, lr_scheduler, args)

@@ -8,6 +8,7 @@ top-level ``triton`` would break ``torch._inductor``.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import _sat_patches_boot
 
@@ -31,7 +32,6 @@ def _dispatching_apply_rotary(original):
 
 
 def _expect_rotary_signature(original):
-    import inspect
     try:
         params = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):

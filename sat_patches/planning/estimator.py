@@ -38,6 +38,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, upstream_config
+
 GB = 1e9
 GiB = 2 ** 30
 
@@ -47,7 +49,6 @@ GiB = 2 ** 30
 def plan_config(config: dict) -> dict:
     """A CogVLM/CogAgent ``model_config.json`` as the plan reads it: every language layer has vision experts
     (upstream's models add them to all of them), CogAgent's encoder with the code's defaults."""
-    from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS
     config = copy.deepcopy(config)
     if config.get("model_class", "").startswith(("CogVLM", "CogAgent", "FineTuneTrainCog")):
         config.setdefault("num_vision_layers", config["num_layers"])
@@ -57,7 +58,6 @@ def plan_config(config: dict) -> dict:
 
 
 def _released() -> Dict[str, dict]:
-    from ..cogvlm.shapes import RELEASED, upstream_config
     return {name: plan_config(upstream_config(name)) for name in RELEASED}
 
 

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import copy
 import glob
+import importlib
 import json
 import math
 import os
@@ -33,6 +34,14 @@ import sys
 from typing import Dict, List
 
 import torch
+from sat.arguments import _simple_init
+
+from sat_patches.cogvlm import (UPSTREAM_CONFIGS, check_vocab, data_collator, llama2_tokenizer, make_captcha_dataset,
+                                train_tiny_tokenizer,)
+from sat_patches.cogvlm.config import CONFIG_FIELDS
+from sat_patches.core.ports import free_port
+from sat_patches.cogvlm.trainer import lm_loss, model_inputs
+from sat_patches.merge import merge
 
 KINDS = ("cogvlm", "cogagent")
 MODEL_CLASS = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}
@@ -51,7 +60,6 @@ def tiny_config(kind: str) -> dict:
     cross attention takes 1024 features) with ``encoder_args`` asking for 2 layers, on 112 px cross images:
     upstream's classes ignore ``encoder_args`` and build the released 24 layers (~300M parameters, all
     trainable in its demo: about 10 GB per CPU rank), classes that honour it build a small one."""
-    from sat_patches.cogvlm import UPSTREAM_CONFIGS
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     config = copy.deepcopy(UPSTREAM_CONFIGS[RELEASED[kind]])
@@ -83,7 +91,6 @@ def checkout_on_path(checkout: str):
 def checkout_class(checkout: str, name: str):
     """``utils.models.<name>`` of the checkout."""
     with checkout_on_path(checkout):
-        import importlib
         models = importlib.import_module("utils.models")
     try:
         return getattr(models, name)
@@ -103,13 +110,11 @@ def _build_args(cls, config: dict, seed: int):
 
 
 def _single_process():
-    from sat.arguments import _simple_init
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from sat_patches.core.ports import free_port
             os.environ["MASTER_PORT"] = str(free_port())
     _simple_init(model_parallel_size=1, seed=1)
 
@@ -130,7 +135,6 @@ def initialise_uninitialised(model, std: float = 0.02) -> List[str]:
 
 def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234) -> dict:
     """Build the tiny ``kind`` with the checkout's own class and save it under ``out_dir``."""
-    from sat_patches.cogvlm.config import CONFIG_FIELDS
     config = tiny_config(kind)
     cls = checkout_class(checkout, MODEL_CLASS[kind])
     _single_process()
@@ -150,7 +154,6 @@ def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 12
 
 
 def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: int = 4, seed: int = 0) -> Dict[str, str]:
-    from sat_patches.cogvlm import check_vocab, llama2_tokenizer, make_captcha_dataset, train_tiny_tokenizer
     paths = {"model": os.path.join(workdir, "model"), "tokenizer": os.path.join(workdir, "tokenizer"),
              "train": os.path.join(workdir, "data", "train"), "valid": os.path.join(workdir, "data", "valid")}
     # an earlier run's merge (perhaps at another MP_SIZE) would be checked instead of this run's
@@ -201,8 +204,6 @@ def training_checkpoint(workdir: str) -> str:
 
 @torch.no_grad()
 def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base", max_length: int = 80) -> dict:
-    from sat_patches.merge import merge
-    from sat_patches.finetune import lm_loss, model_inputs
     trained = training_checkpoint(workdir)
     _expect_shards("the training checkpoint", trained, mp)
     merged = merged_dir(kind, workdir)
@@ -230,7 +231,6 @@ def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base
         if set(saved) != expected:
             raise SystemExit(f"error: the merged checkpoint does not fit the checkout's {config['model_class']}: "
                              f"missing {sorted(expected - set(saved))[:5]}, unexpected {sorted(set(saved) - expected)[:5]}")
-        import importlib
         utils = importlib.import_module("utils.utils")
         tokenizer = utils.llama2_tokenizer(os.path.join(workdir, "tokenizer"), signal_type=version)
         image = utils.get_image_processor(args.eva_args["image_size"][0])
@@ -238,7 +238,6 @@ def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base
         text = utils.llama2_text_processor(tokenizer, max_length, args.image_length)
         dataset = utils.ItemDataset(image, text, args, os.path.join(workdir, "data", "valid"),
                                     cross_image_processor=cross)
-    from sat_patches.cogvlm import data_collator
     batch = data_collator([dataset[0]], cross_image_processor=cross)
     loss = float(lm_loss(model, {**model_inputs(batch), "labels": batch["labels"]}))
     if not math.isfinite(loss):

@@ -15,12 +15,15 @@ import subprocess
 import sys
 from typing import List, Optional
 
+from ..cogvlm.config import tiny_config
+from ..cogvlm.shapes import RELEASED, upstream_config
+from ..data.jsonl import check_data_path
+
+
 # attention heads of the language model (MP_SIZE must divide them); upstream model_config.json
 def model_heads_table() -> dict:
     """Attention heads of every released model name and of the CPU runs' tiny models (one table of shapes:
     :mod:`sat_patches.cogvlm.shapes`)."""
-    from ..cogvlm.config import tiny_config
-    from ..cogvlm.shapes import RELEASED, upstream_config
     heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
     heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in ("cogvlm", "cogagent")})
     return heads
@@ -119,7 +122,6 @@ def data_errors(env: dict) -> List[str]:
     """``TRAIN_DATA`` and ``VALID_DATA`` are usable before anything is launched: a ``.jsonl`` file's records
     are checked one by one, a folder must hold a readable ``.jpg`` (an empty data set otherwise stops the
     run inside SAT with a ZeroDivisionError, THUDM/CogVLM#509)."""
-    from ..data.jsonl import check_data_path
     return [f"{name}={env[name]}: {problem}" for name in ("TRAIN_DATA", "VALID_DATA") if env.get(name)
             for problem in check_data_path(env[name])]
 

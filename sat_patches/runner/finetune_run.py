@@ -32,8 +32,10 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
-from .finetune_check import check, config_path, data_errors, visible_gpus
+from ..cogvlm.config import tiny_config
 from ..core.ports import free_port
+from ..planning import estimator as plan
+from .finetune_check import check, config_path, data_errors, visible_gpus
 
 UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
 
@@ -108,7 +110,6 @@ def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
     memory = gpu_memory_gb()
     if memory is None:
         return None
-    from ..planning import estimator as plan
     try:
         model = plan.resolve_model(env["MODEL_TYPE"])
     except SystemExit:  # a model the plan does not know: keep the config's micro-batch
@@ -291,7 +292,6 @@ def cpu_notes(env: Dict[str, str], environ: Dict[str, str]) -> List[str]:
 
 def tiny_positions(kind: str) -> int:
     """How many tokens the tiny model of a CPU run holds (its language model's ``max_sequence_length``)."""
-    from ..cogvlm.config import tiny_config
     return int(tiny_config(kind)["max_sequence_length"])
 
 
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
             print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
             return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
-        from ..evaluate import read_summary, summary_line
+        from ..evaluate import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
         out = evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
         if os.path.isfile(os.path.join(out, "summary.json")):
             summary = read_summary(out)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+from ..checkpoints.files import read_model_config
+
 
 class BadInputError(ValueError):
     """An argument that cannot work; the message says what to change."""
@@ -21,7 +23,7 @@ class BadInputError(ValueError):
 def bitsandbytes_problem() -> Optional[str]:
     """None when ``bitsandbytes`` with ``LinearNF4`` imports, else why not."""
     try:
-        from bitsandbytes.nn import LinearNF4  # noqa: F401
+        from bitsandbytes.nn import LinearNF4  # noqa: F401  (whether it imports is the question asked)
     except Exception as exc:  # noqa: BLE001  (ImportError, OSError of a missing CUDA binary, ...)
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -29,7 +31,6 @@ def bitsandbytes_problem() -> Optional[str]:
 
 def _num_layers_of(from_pretrained: Optional[str]) -> Optional[int]:
     if from_pretrained and os.path.isdir(from_pretrained):
-        from ..checkpoints.files import read_model_config
         return int(read_model_config(from_pretrained)["num_layers"])
     return None
 

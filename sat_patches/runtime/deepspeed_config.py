@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
+from ..checkpoints import safe_load
 from ..core.registry import SatPatchesWarning
 from . import devices
 
@@ -33,7 +34,6 @@ def lint_deepspeed_config(config: dict, world_size: Optional[int] = None, model_
       (``weights_only=False``), so anything such a file names runs: refused unless checkpoints are
       trusted (``SAT_PATCHES_TRUST_CHECKPOINTS=1``).
     """
-    from ..checkpoints import safe_load
     if (config.get("checkpoint") or {}).get("load_universal") and not safe_load.trusted():
         raise DeepSpeedConfigError(
             f"DeepSpeed config: checkpoint.load_universal is true; DeepSpeed unpickles universal checkpoints in "

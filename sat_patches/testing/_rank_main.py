@@ -5,13 +5,14 @@ import runpy
 import sys
 import traceback
 
+from sat_patches.core import settings
+
 
 def main(argv):
-    from sat_patches.core import settings  # this module runs as ``-m sat_patches.testing._rank_main``: no cost
     if settings.read("SAT_PATCHES_CWD"):
         os.chdir(settings.read("SAT_PATCHES_CWD"))
     if settings.read("SAT_PATCHES_IMPORT"):
-        import sat_patches  # noqa: F401  (applies the patches not disabled by SAT_PATCHES_DISABLE)
+        import sat_patches  # noqa: F401  (only where the rank asks for it: SAT_PATCHES_IMPORT)
     if argv[0] == "--script":
         script = argv[1:]
         if script[0] == "-m":

@@ -14,12 +14,13 @@ import os
 
 import torch
 import torch.nn as nn
+from sat.model.base_model import BaseMixin
+from sat.model.finetune.lora2 import LoraMixin
+from sat.model.official.llama_model import LLaMAModel
+from sat.mpu import ColumnParallelLinear, RowParallelLinear
 
 
 def model_class():
-    from sat.model.base_model import BaseMixin
-    from sat.model.official.llama_model import LLaMAModel
-    from sat.mpu import ColumnParallelLinear, RowParallelLinear
 
     class VisionExpertFCMixin(BaseMixin):
         def __init__(self, in_features, hidden_features, num_layers, num_vision_layers,
@@ -70,7 +71,6 @@ def model_class():
                                                       vision_layers))
             self.add_mixin("attn", VisionExpertAttnMixin(args.hidden_size, vision_layers))
             if getattr(args, "lora_rank", 0):
-                from sat.model.finetune.lora2 import LoraMixin
                 self.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank), reinit=True)
 
         @classmethod

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Union
 
+import sat_patches
+
 from ..core.ports import free_port
 
 # Stand-ins for what a GPU machine has (triton, a CUDA rotary kernel); kept in "stock" runs so that
@@ -30,7 +32,6 @@ CPU_STANDINS = ("triton_rotary_import", "rotary_torch_fallback")
 
 
 def stock_disable() -> List[str]:
-    import sat_patches
     return [n for n in sat_patches.names() if n not in CPU_STANDINS]
 
 

@@ -2,6 +2,8 @@
 would do, made harmless, so tests can tell whether a loading path ran it."""
 import os
 
+import torch
+
 
 class Payload:
     def __init__(self, marker: str):
@@ -13,7 +15,6 @@ class Payload:
 
 def plant(checkpoint_file: str, marker: str) -> None:
     """Add a :class:`Payload` to a saved dict (a file this process wrote itself)."""
-    import torch
     state = torch.load(checkpoint_file, weights_only=False)
     state["payload"] = Payload(marker)
     torch.save(state, checkpoint_file)

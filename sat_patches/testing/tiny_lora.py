@@ -11,6 +11,13 @@ import json
 import sys
 
 import torch
+from sat import get_args, mpu
+from sat.model.finetune.lora2 import LoraMixin
+from sat.model.official.llama_model import LLaMAModel
+from sat.training.deepspeed_training import training_main
+
+from sat_patches.checkpoints.adapter import is_adapter
+from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
 
 VOCAB = 1024  # SAT's BaseTransformer makes a plain nn.Embedding below 1000 words, a model-parallel one from 1000
 DEFAULT_ARGS = [
@@ -25,8 +32,6 @@ SEQ_LEN = 16
 
 
 def model_class():
-    from sat.model.finetune.lora2 import LoraMixin
-    from sat.model.official.llama_model import LLaMAModel
 
     class TinyLoraLLaMA(LLaMAModel):
         def __init__(self, args, transformer=None, **kwargs):
@@ -34,7 +39,6 @@ def model_class():
             self.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=None), reinit=True)
 
         def disable_untrainable_params(self):
-            from sat_patches.checkpoints.adapter import is_adapter
             for name, p in self.named_parameters():
                 p.requires_grad_(is_adapter(name))
 
@@ -67,7 +71,6 @@ def create_dataset(path, args):
 
 
 def forward_step(data_iterator, model, args, timers):
-    from sat import mpu
     timers("batch generator").start()
     data = next(data_iterator) if data_iterator is not None else None
     tokens = mpu.broadcast_data(["tokens"], data, torch.int64)["tokens"]
@@ -93,8 +96,6 @@ def _record(args, loss):
 
 
 def main(argv=None):
-    from sat import get_args
-    from sat.training.deepspeed_training import training_main
     py_parser = argparse.ArgumentParser(add_help=False)
     py_parser.add_argument("--loss-log", default=None, help="JSON file per rank; '{rank}' is filled in")
     argv = sys.argv[1:] if argv is None else argv
@@ -102,7 +103,6 @@ def main(argv=None):
                            help="register a CUDA-only backend of this name (testing.fake_backend) and use it")
     known, rest = py_parser.parse_known_args(argv)
     if known.cuda_only_backend:
-        from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
         rest += ["--distributed-backend", register_cuda_only_backend(known.cuda_only_backend)]
         simulate_cuda_barrier()
     cls = model_class()

@@ -15,10 +15,10 @@ model-parallel size 1:
 import math
 import os
 
+import other_sat_scripts as scripts
 import pytest
 import torch
 
-import other_sat_scripts as scripts
 from sat_patches.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -72,6 +72,7 @@ def test_a_size_the_model_cannot_split_into_stops_every_rank_with_the_reason(tmp
 
 def test_merge_with_import_of_a_class_that_adds_lora_itself_gives_the_trained_logits(mp2_run, tmp_path):
     from sat.model.official.chatglm2_model import ChatGLM2Model
+
     from sat_patches import merge
     results, save = mp2_run
     trained = torch.tensor(_ok(results)[0]["logits"])
@@ -87,8 +88,10 @@ def test_merge_with_import_of_a_class_that_adds_lora_itself_gives_the_trained_lo
 
 def test_qlora_in_the_constructor_loads_as_nf4_with_bitsandbytes_bits(base, monkeypatch):
     import bitsandbytes.functional as bnbf
+
     from sat_patches.checkpoints import loading
-    from sat_patches.lora import layer as lora, qlora
+    from sat_patches.lora import layer as lora
+    from sat_patches.lora import qlora
     built = []
     real_build = loading._build
     monkeypatch.setattr(loading, "_build", lambda *a, on_meta: built.append(on_meta) or real_build(*a, on_meta=on_meta))
@@ -131,9 +134,11 @@ def test_a_bf16_run_evaluates(base, tmp_path, patched):
 def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
     """``python -m sat_patches.evaluate ... --import MODULE``: the run's own class, LoRA not added twice."""
     import json
+
     from sat.model.base_model import get_model
+
     from sat_patches import evaluate
-    from sat_patches.cogvlm.config import save_pretrained_dir, tiny_args
+    from sat_patches.cogvlm.tiny import save_pretrained_dir, tiny_args
     args = tiny_args("cogvlm", lora_rank=4, seed=1234)
     args.model_class = "LoraCogVLM"
     model = get_model(args, scripts.LoraCogVLM)

@@ -18,8 +18,11 @@ def save_mp2(root, kind):
     from sat.arguments import _simple_init
     from sat.model.base_model import get_model
     from sat.model.finetune.lora2 import LoraMixin
+
     from sat_patches.checkpoints import writer
-    from sat_patches.cogvlm.config import model_class_for, model_config_dict, tiny_args
+    from sat_patches.cogvlm.config import model_config_dict
+    from sat_patches.cogvlm.models import model_class_for
+    from sat_patches.cogvlm.tiny import tiny_args
     _simple_init(model_parallel_size=2, seed=1)
     torch.manual_seed(0)
     args = tiny_args(kind, model_parallel_size=2)
@@ -39,6 +42,7 @@ def save_mp2(root, kind):
 
 def export_import_and_merge(root):
     import torch
+
     from sat_patches import merge
     from sat_patches.checkpoints import files, safe_load
     from sat_patches.export.hf import export_hf

@@ -35,7 +35,7 @@ def test_whole_checkpoint_mp1_and_mp2(kind, tmp_path):
     [back] = load_module(str(tmp_path / "back"))
     assert_identical(back, state)
     # what the finetune scripts do with MODEL_TYPE=<that folder>
-    from sat_patches.cogvlm.config import model_class_for
+    from sat_patches.cogvlm.models import model_class_for
     loaded, loaded_args = model_class_for(kind).from_pretrained(str(tmp_path / "back"), None)
     assert loaded_args.eva_args == args.eva_args and loaded_args.image_length == args.image_length
     assert_identical(loaded.state_dict(), state)

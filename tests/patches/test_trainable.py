@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.finetune import DEMO_TRAINABLE
+from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
 from sat_patches.patches import trainable as trainable_patches
 from sat_patches.runtime import trainable
 

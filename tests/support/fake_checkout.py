@@ -78,7 +78,7 @@ from utils.models import {model}
 from utils.utils import ItemDataset, get_image_processor, llama2_text_processor
 
 from sat_patches.cogvlm import data_collator
-from sat_patches.finetune import forward_step, get_batch, lm_loss, model_inputs
+from sat_patches.cogvlm.trainer import forward_step, get_batch, lm_loss, model_inputs
 
 ENABLE = {enable}  # beyond LoRA (upstream's CogVLM demo also trains EVA MLPs of layers 46-54: none in a tiny EVA)
 

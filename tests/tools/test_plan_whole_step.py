@@ -5,7 +5,7 @@ layers are tested one by one in ``test_plan_calibration.py``)."""
 import pytest
 
 from sat_patches.cogvlm.shapes import upstream_config
-from sat_patches.finetune import DEMO_TRAINABLE
+from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
 from layer_bytes import planned_activations, released_layers, step_peak
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,138 @@
+"""The package's layout holds: libraries that only define, patch modules that bind them, a CLI that starts
+without torch, no import cycles, few imports hidden in functions (each with its reason)."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sat_patches
+
+PACKAGE = os.path.dirname(os.path.abspath(sat_patches.__file__))
+# folders whose modules only define: they must not reach into the patch records or the command line
+LIBRARIES = ("core", "checkpoints", "runtime", "diagnostics", "lora", "planning", "cogvlm", "data", "export",
+             "kernels", "testing")
+MAX_LAZY_IMPORTS = 30
+
+
+def _modules():
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                found[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(module: str):
+    """(imported module of ours or None, import node, whether it sits in a function) for every import."""
+    path = MODULES[module]
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    in_function = {id(sub) for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for name in names:
+            while name not in MODULES and "." in name:
+                name = name.rpartition(".")[0]
+            yield (name if name in MODULES else None), node, id(node) in in_function
+
+
+def _edges():
+    """Every import between our modules, in functions too; importing ``a.b.c`` runs ``a.b`` as well."""
+    edges = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target, _, _ in _imports(module):
+            while target and target != "sat_patches":
+                if target != module and not module.startswith(target + "."):
+                    edges[module].add(target)
+                target = target.rpartition(".")[0]
+    return edges
+
+
+def _cycles(edges):
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in MODULES:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_our_modules():
+    assert _cycles(_edges()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    edges = {m: set() for m in MODULES}
+    edges["sat_patches.core.settings"].add("sat_patches.core.registry")
+    edges["sat_patches.core.registry"].add("sat_patches.core.settings")
+    assert _cycles(edges) == [["sat_patches.core.registry", "sat_patches.core.settings"]]
+
+
+def test_libraries_import_no_patch_module_and_no_command_line():
+    bad = [f"{m} imports {t}" for m in MODULES
+           if m.split(".")[1:2] and m.split(".")[1] in LIBRARIES and not m.endswith(".__main__")  # entry points
+           for t, _, _ in _imports(m)
+           if t and t.split(".")[1:2] and t.split(".")[1] in ("patches", "cli", "runner")]
+    assert bad == []
+
+
+def test_imports_inside_functions_are_few_and_each_says_why():
+    lazy = []
+    for module, path in MODULES.items():
+        lines = open(path, encoding="utf-8").read().split("\n")
+        for _, node, in_function in _imports(module):
+            if in_function and node not in [n for _, n in lazy]:
+                lazy.append((f"{module}:{node.lineno}: {lines[node.lineno - 1].strip()}", node))
+    assert len(lazy) <= MAX_LAZY_IMPORTS, [where for where, _ in lazy]
+    unexplained = [where for where, _ in lazy if "#" not in where]
+    assert unexplained == []
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_the_command_line_starts_without_torch_or_sat():
+    code = ("import sys, sat_patches.cli.main, sat_patches.runner.finetune_run, sat_patches.data.jsonl\n"
+            "print(sorted(m for m in ('torch', 'sat', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
