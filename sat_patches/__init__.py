@@ -25,7 +25,7 @@ from .core import noise
 from .core.after_import import AfterImport
 from .core.registry import REGISTRY, Patch, SatPatchesWarning, env_names  # noqa: F401
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _auto = {"pending": True, "applying": False}
 
