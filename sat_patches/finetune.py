@@ -119,6 +119,8 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--evaluate", default=None, metavar="DIR",
                    help="after training, answer every validation sample and write predictions.jsonl and "
                         "summary.json into DIR (sat_patches.evaluate)")
+    p.add_argument("--evaluate-before", default=None, metavar="DIR",
+                   help="before training, the same with the untrained model (the baseline), into DIR")
     return model_class_for(kind).add_model_specific_args(p)
 
 
@@ -184,6 +186,10 @@ def train(argv) -> int:
         add_lora(model, args)
     tokenizer = llama2_tokenizer(args.local_tokenizer, signal_type=args.version)
     image, text, cross = processors(args, tokenizer)
+    if args.evaluate_before:
+        from .evaluate import answer_every_sample
+        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate_before, args.version,
+                            label="evaluation before training")
     model = training_main(args, model_cls=model, forward_step_function=forward_step,
                           create_dataset_function=partial(create_dataset_function, image, text, cross),
                           collate_fn=partial(data_collator, cross_image_processor=cross))
@@ -259,8 +265,11 @@ def prepare(argv) -> int:
     p.add_argument("--kind", choices=KINDS, default="cogvlm")
     p.add_argument("--workdir", required=True)
     p.add_argument("--n-train", type=int, default=64)
+    p.add_argument("--n-valid", type=int, default=8)
+    p.add_argument("--task", choices=("captcha", "shapes"), default="captcha",
+                   help="captcha: CAPTCHA images (upstream's demo data); shapes: coloured shapes, learnt in a minute")
     a = p.parse_args(argv)
-    run = prepare_tiny_run(a.workdir, a.kind, n_train=a.n_train)
+    run = prepare_tiny_run(a.workdir, a.kind, n_train=a.n_train, n_valid=a.n_valid, task=a.task)
     print(f"prepared tiny {a.kind}: model {run.model_dir}, tokenizer {run.tokenizer_dir}, "
           f"data {run.train_dir} / {run.valid_dir}")
     return 0
