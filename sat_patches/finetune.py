@@ -252,7 +252,7 @@ def verify(argv) -> int:
     answer = greedy_answer(model, batch, tokenizer)
     print(f"merged MP=1 model vs trained model: max |logit difference| = {diff:.2e} (tolerance {a.tolerance:g})")
     note = "" if answer else " (it ends the answer at once: a tiny model after a short run)"
-    print(f"merged model output for CAPTCHA '{probe['label']}': {answer!r}{note}", flush=True)
+    print(f"merged model output for '{probe['label']}': {answer!r}{note}", flush=True)
     if not diff <= a.tolerance:
         print("error: the merged model's outputs differ from the trained model's", file=sys.stderr)
         return 1

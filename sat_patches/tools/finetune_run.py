@@ -155,9 +155,10 @@ def evaluation_dir(save_dir: str, before: bool = False) -> str:
 
 
 def hf_export_available() -> bool:
-    """Whether this sat_patches has ``python -m sat_patches.export`` (the Hugging Face export)."""
-    import importlib.util
-    return importlib.util.find_spec("sat_patches.export") is not None
+    """Whether this sat_patches has ``python -m sat_patches.export`` (the Hugging Face export): looked up in
+    this package's own folder (an editable install of another checkout may also serve submodules)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return any(os.path.isfile(os.path.join(package, *parts)) for parts in (("export.py",), ("export", "__main__.py")))
 
 
 def train_options(env: Dict[str, str], **paths) -> List[str]:
