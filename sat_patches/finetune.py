@@ -121,6 +121,8 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
                         "summary.json into DIR (sat_patches.evaluate)")
     p.add_argument("--evaluate-before", default=None, metavar="DIR",
                    help="before training, the same with the untrained model (the baseline), into DIR")
+    p.add_argument("--evaluate-max-new-tokens", type=int, default=16, metavar="N",
+                   help="longest answer --evaluate and --evaluate-before generate, in tokens")
     return model_class_for(kind).add_model_specific_args(p)
 
 
@@ -189,7 +191,7 @@ def train(argv) -> int:
     if args.evaluate_before:
         from .evaluate import answer_every_sample
         answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate_before, args.version,
-                            label="evaluation before training")
+                            args.evaluate_max_new_tokens, label="evaluation before training")
     model = training_main(args, model_cls=model, forward_step_function=forward_step,
                           create_dataset_function=partial(create_dataset_function, image, text, cross),
                           collate_fn=partial(data_collator, cross_image_processor=cross))
@@ -197,7 +199,8 @@ def train(argv) -> int:
         save_probe(model, args, image, text, cross)
     if args.evaluate:
         from .evaluate import answer_every_sample
-        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version)
+        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version,
+                            args.evaluate_max_new_tokens)
     return 0
 
 

@@ -230,7 +230,8 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
                  save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     if env.get("EVALUATE") == "1":  # the untrained model first: the baseline the trained one is measured against
-        options += ["--evaluate-before", evaluation_dir(paths["save"], before=True)]
+        # (the answers are one word: 4 tokens show a wrong one without decoding 16 tokens of noise per sample)
+        options += ["--evaluate-before", evaluation_dir(paths["save"], before=True), "--evaluate-max-new-tokens", "4"]
     commands = [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", "shapes",
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
