@@ -60,7 +60,7 @@ CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "50", "MAX_LENG
                 "SAVE_INTERVAL": "50", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "5",
                 "CHECKPOINT_ACTIVATIONS": "0"}
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
-CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "EVALUATE": "0"}
+CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "SAVE_INTERVAL": "20", "LOG_INTERVAL": "1", "EVALUATE": "0"}
 
 
 def settings(environ: Dict[str, str]) -> Dict[str, str]:
