@@ -55,8 +55,8 @@ def read_summary(out: str) -> Dict:
         return json.load(f)
 
 
-def summary_line(summary: Dict, data: str) -> str:
-    return (f"evaluation: exact match {summary['exact_match']}/{summary['samples']} ({summary['accuracy']:.1%}), "
+def summary_line(summary: Dict, data: str, label: str = "evaluation") -> str:
+    return (f"{label}: exact match {summary['exact_match']}/{summary['samples']} ({summary['accuracy']:.1%}), "
             f"characters {summary['char_accuracy']:.1%} on {data}")
 
 
@@ -147,10 +147,11 @@ def evaluate(ckpt: str, data: str, tokenizer_dir: str, mp: int = 1, out: str = "
 
 
 def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, version: str = "base",
-                        max_new_tokens: int = 16) -> Dict:
+                        max_new_tokens: int = 16, label: str = "evaluation") -> Dict:
     """(every rank) ``model`` (built and loaded at the job's model-parallel size) answers every sample of
     ``data``, each data-parallel group its share; rank 0 writes ``predictions.jsonl`` and ``summary.json``
-    into ``out``, prints the summary line and returns the summary (the other ranks: ``{}``)."""
+    into ``out``, prints the summary line (starting with ``label``) and returns the summary (the other
+    ranks: ``{}``)."""
     module = getattr(model, "module", model)
     was_training = module.training
     module.eval()
@@ -184,7 +185,7 @@ def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, ve
     write_jsonl(os.path.join(out, "predictions.jsonl"), [{k: r[k] for k in ("id", "image", "prompt", "answer",
                                                                             "prediction", "exact")} for r in rows])
     write_text_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
-    print(summary_line(summary, data) + f" (predictions: {os.path.join(out, 'predictions.jsonl')})", flush=True)
+    print(summary_line(summary, data, label) + f" (predictions: {os.path.join(out, 'predictions.jsonl')})", flush=True)
     return summary
 
 

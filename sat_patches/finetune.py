@@ -48,6 +48,10 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--evaluate", default=None, metavar="DIR",
                    help="after training, answer every validation sample and write predictions.jsonl and "
                         "summary.json into DIR (sat_patches.evaluate)")
+    p.add_argument("--evaluate-before", default=None, metavar="DIR",
+                   help="before training, the same with the untrained model (the baseline), into DIR")
+    p.add_argument("--evaluate-max-new-tokens", type=int, default=16, metavar="N",
+                   help="longest answer --evaluate and --evaluate-before generate, in tokens")
     return model_class_for(kind).add_model_specific_args(p)
 
 
@@ -86,13 +90,17 @@ def train(argv) -> int:
         add_lora(model, args)
     tokenizer = llama2_tokenizer(args.local_tokenizer, signal_type=args.version)
     image, text, cross = processors(args, tokenizer)
+    if args.evaluate_before:
+        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate_before, args.version,
+                            args.evaluate_max_new_tokens, label="evaluation before training")
     model = training_main(args, model_cls=model, forward_step_function=forward_step,
                           create_dataset_function=partial(create_dataset_function, image, text, cross),
                           collate_fn=partial(data_collator, cross_image_processor=cross))
     if args.probe:
         save_probe(model, args, image, text, cross)
     if args.evaluate:
-        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version)
+        answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate, args.version,
+                            args.evaluate_max_new_tokens)
     return 0
 
 
@@ -143,7 +151,7 @@ def verify(argv) -> int:
     answer = greedy_answer(model, batch, tokenizer)
     print(f"merged MP=1 model vs trained model: max |logit difference| = {diff:.2e} (tolerance {a.tolerance:g})")
     note = "" if answer else " (it ends the answer at once: a tiny model after a short run)"
-    print(f"merged model output for CAPTCHA '{probe['label']}': {answer!r}{note}", flush=True)
+    print(f"merged model output for '{probe['label']}': {answer!r}{note}", flush=True)
     if not diff <= a.tolerance:
         print("error: the merged model's outputs differ from the trained model's", file=sys.stderr)
         return 1
@@ -155,8 +163,11 @@ def prepare(argv) -> int:
     p.add_argument("--kind", choices=KINDS, default="cogvlm")
     p.add_argument("--workdir", required=True)
     p.add_argument("--n-train", type=int, default=64)
+    p.add_argument("--n-valid", type=int, default=8)
+    p.add_argument("--task", choices=("captcha", "shapes"), default="captcha",
+                   help="captcha: CAPTCHA images (upstream's demo data); shapes: coloured shapes, learnt in a minute")
     a = p.parse_args(argv)
-    run = prepare_tiny_run(a.workdir, a.kind, n_train=a.n_train)
+    run = prepare_tiny_run(a.workdir, a.kind, n_train=a.n_train, n_valid=a.n_valid, task=a.task)
     print(f"prepared tiny {a.kind}: model {run.model_dir}, tokenizer {run.tokenizer_dir}, "
           f"data {run.train_dir} / {run.valid_dir}")
     return 0

@@ -136,3 +136,28 @@ def test_the_command_line_starts_without_torch_or_sat():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _imports_sat_at_module_level(module):
+    tree = ast.parse(open(MODULES[module], encoding="utf-8").read())
+    return any(isinstance(node, (ast.Import, ast.ImportFrom)) and
+               ((node.module or "") if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0] == "sat"
+               for node in tree.body)
+
+
+FIRST_IMPORTS = sorted(m for m in MODULES if ".patches" not in m and not m.endswith("__main__")
+                       and _imports_sat_at_module_level(m))
+
+
+@pytest.mark.slow  # a fresh interpreter per module
+@pytest.mark.parametrize("module", FIRST_IMPORTS)
+def test_any_module_imported_first_leaves_every_patch_applied(module):
+    """SAT's first import applies the patches, whose modules import ours: from inside one of ours still being
+    initialised, they go on once it has run (without that: ImportError, a partially initialized module)."""
+    from zygote import run_before_sat
+    code = (f"import {module}, sat_patches\n"
+            "bad = [r['name'] for r in sat_patches.status() if r['status'] != 'applied']\n"
+            "print('NOT APPLIED', bad)")
+    out = run_before_sat(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "NOT APPLIED []" in out.stdout

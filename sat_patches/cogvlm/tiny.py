@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from sat import mpu
 from sat.model.base_model import get_model
@@ -25,6 +26,7 @@ from ..data.jsonl import write_jsonl
 from .captcha_data import make_captcha_dataset
 from .config import TINY_MAX_LENGTH, _run_defaults, model_config_dict, tiny_config, write_model_config
 from .models import model_class_for
+from .shapes_data import TOKENIZER_VOCAB, make_shapes_dataset, tokenizer_text
 from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
 
 
@@ -53,19 +55,48 @@ def build_tiny_model(kind: str = "cogvlm", **overrides):
     return get_model(args, model_class_for(kind)), args
 
 
+TASKS = ("captcha", "shapes")
+
+
+HEAD_SCALE = 10.0
+
+
+def widen_output_head(model, scale: float = HEAD_SCALE) -> None:
+    """Multiply the LM head's random weights by ``scale``. After the final RMSNorm the hidden state has norm
+    sqrt(hidden size), so with SAT's init (std 0.02) and 128 features no logit can exceed about
+    0.02 * 128 = 2.6: a frozen random head keeps every answer near-uniform over the vocabulary, and LoRA
+    alone cannot make one confident. A pretrained model's head has no such bound; scaled, the tiny stand-in
+    lets the CPU demo's adapters learn in a minute."""
+    head = model.get_mixin("lm").lm_head
+    with torch.no_grad():
+        head.weight.mul_(scale)
+
+
 def prepare_tiny_run(workdir: str, kind: str = "cogvlm", n_train: int = 64, n_valid: int = 8,
-                     seed: int = 0) -> TinyRun:
+                     seed: int = 0, task: str = "captcha") -> TinyRun:
+    """Tokenizer, data and a random tiny model in ``workdir``. ``task``: ``captcha`` (``<label>.jpg``
+    folders, as upstream's demo reads them, and the same images as conversations in JSON Lines) or
+    ``shapes`` (coloured shapes in JSON Lines, :mod:`.shapes_data`: what the CPU demo learns in a minute)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, not {task!r}")
     run = TinyRun(kind, os.path.join(workdir, "model"), os.path.join(workdir, "tokenizer"),
                   os.path.join(workdir, "data", "train"), os.path.join(workdir, "data", "valid"))
-    train_tiny_tokenizer(run.tokenizer_dir, seed=seed)
-    train = make_captcha_dataset(run.train_dir, n_train, seed=seed)
-    train_labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
-    make_captcha_dataset(run.valid_dir, n_valid, seed=seed + 1, exclude=train_labels)
+    if task == "shapes":
+        train_tiny_tokenizer(run.tokenizer_dir, extra_text=tokenizer_text(), vocab_size=TOKENIZER_VOCAB, seed=seed)
+        make_shapes_dataset(run.train_jsonl, n_train, seed=seed)
+        make_shapes_dataset(run.valid_jsonl, n_valid, seed=seed + 1)
+    else:
+        train_tiny_tokenizer(run.tokenizer_dir, seed=seed)
+        train = make_captcha_dataset(run.train_dir, n_train, seed=seed)
+        train_labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
+        make_captcha_dataset(run.valid_dir, n_valid, seed=seed + 1, exclude=train_labels)
+        write_captcha_conversations(run.train_dir, run.train_jsonl)
+        write_captcha_conversations(run.valid_dir, run.valid_jsonl, turns=False)
     model, args = build_tiny_model(kind, seed=1234 + seed)  # SAT needs a seed > 0
+    if task == "shapes":
+        widen_output_head(model)
     check_vocab(llama2_tokenizer(run.tokenizer_dir), args.vocab_size, args.pad_token_id)
     save_pretrained_dir(model, args, run.model_dir)
-    write_captcha_conversations(run.train_dir, run.train_jsonl)
-    write_captcha_conversations(run.valid_dir, run.valid_jsonl, turns=False)
     return run
 
 

@@ -168,8 +168,9 @@ def _mark(obj, name, original):
 
 
 def _rebind(original, replacement, target_module: str) -> List[Tuple[dict, str]]:
-    """Rebind ``from x import y`` aliases of ``original`` in SAT's (and the target package's) modules."""
-    roots = {"sat", target_module.split(".")[0]}
+    """Rebind ``from x import y`` aliases of ``original`` in SAT's, the target package's and this package's
+    modules (a module of ours that imported a SAT function before the patches went on calls the patched one)."""
+    roots = {"sat", target_module.split(".")[0], __name__.split(".")[0]}
     rebound = []
     for mod_name, module in list(sys.modules.items()):
         if module is None or not (mod_name.split(".")[0] in roots or mod_name == "__main__"):

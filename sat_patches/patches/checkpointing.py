@@ -84,7 +84,8 @@ def _save_checkpoint(original):
             if rank == 0:
                 publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
         except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)  # a full disk, a failed write: nothing left behind
+            if rank == 0:  # a full disk, a failed write: nothing left behind (one remover: removals by several
+                shutil.rmtree(staged, ignore_errors=True)  # ranks at once raced, and one could leave the folder)
             raise
         dist.barrier()
     return save_checkpoint

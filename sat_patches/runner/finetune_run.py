@@ -60,12 +60,14 @@ KIND_DEFAULTS = {
                  "TRAIN_ITERS": "2000"},
 }
 # no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
-CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "20", "MAX_LENGTH": "120", "LORA_RANK": "4",
-                "EVALUATE": "1", "TRAIN_DATA": "", "VALID_DATA": "",  # empty: generated CAPTCHAs; else the user's
-                "SAVE_INTERVAL": "20", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "2",
+CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "50", "MAX_LENGTH": "120", "LORA_RANK": "4",
+                "EVALUATE": "1", "TRAIN_DATA": "", "VALID_DATA": "",  # empty: the generated demo data; else the user's
+                "DEMO_TRAIN_SAMPLES": "96", "DEMO_VALID_SAMPLES": "16",
+                "SAVE_INTERVAL": "50", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "5",
                 "CHECKPOINT_ACTIVATIONS": "0"}
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
-CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "EVALUATE": "0"}
+CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "SAVE_INTERVAL": "20", "LOG_INTERVAL": "1",
+                         "EVALUATE": "0"}
 
 
 def settings(environ: Dict[str, str]) -> Dict[str, str]:
@@ -157,9 +159,10 @@ def mode(env: Dict[str, str]) -> str:
     return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
 
 
-def evaluation_dir(save_dir: str) -> str:
-    """Where ``EVALUATE=1`` writes ``predictions.jsonl`` and ``summary.json``."""
-    return os.path.join(save_dir, "evaluation")
+def evaluation_dir(save_dir: str, before: bool = False) -> str:
+    """Where ``EVALUATE=1`` writes ``predictions.jsonl`` and ``summary.json`` (``before``: the CPU demo's
+    evaluation of the untrained model)."""
+    return os.path.join(save_dir, "evaluation_before_training" if before else "evaluation")
 
 
 def train_options(env: Dict[str, str], **paths) -> List[str]:
@@ -225,14 +228,19 @@ def torchrun() -> List[str]:
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     work = env["WORK_DIR"]
     py = sys.executable
-    # the CAPTCHAs as conversations in JSON Lines (sat_patches.cogvlm.tiny.write_captcha_conversations)
+    # the generated demo data (coloured shapes, sat_patches.cogvlm.shapes_data) unless the user gave theirs
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train.jsonl"),
                  valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid.jsonl"),
                  save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
-    return [
-        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work],
+    if env.get("EVALUATE") == "1":  # the untrained model first: the baseline the trained one is measured against
+        options += ["--evaluate-before", evaluation_dir(paths["save"], before=True)]
+        if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
+            options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
+    commands = [
+        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", "shapes",
+         "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
@@ -240,6 +248,13 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
     ]
+    # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
+    commands.append([py, "-m", "sat_patches.export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
+    return commands
+
+
+def hf_export_dir(work: str) -> str:
+    return os.path.join(work, "hf")
 
 
 def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
@@ -372,14 +387,24 @@ def main(argv=None) -> int:
             print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
             return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
-        from ..evaluate import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
-        out = evaluation_dir(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
-        if os.path.isfile(os.path.join(out, "summary.json")):
-            summary = read_summary(out)
-            print(summary_line(summary, summary["data"]), flush=True)
-        else:  # rank 0 wrote it on another node's disk
-            print(f"evaluation: written by rank 0 into {out} on its node", flush=True)
+        print_evaluations(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
+    if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(hf_export_dir(env["WORK_DIR"])):
+        print(f"Hugging Face export: {hf_export_dir(env['WORK_DIR'])}", flush=True)
     return 0
+
+
+def print_evaluations(save_dir: str) -> None:
+    """The exact match before training (where the CPU demo measured it) and after, one line each."""
+    from ..evaluate import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
+    before, out = evaluation_dir(save_dir, before=True), evaluation_dir(save_dir)
+    if os.path.isfile(os.path.join(before, "summary.json")):
+        summary = read_summary(before)
+        print(summary_line(summary, summary["data"], "evaluation before training"), flush=True)
+    if os.path.isfile(os.path.join(out, "summary.json")):
+        summary = read_summary(out)
+        print(summary_line(summary, summary["data"]), flush=True)
+    else:  # rank 0 wrote it on another node's disk
+        print(f"evaluation: written by rank 0 into {out} on its node", flush=True)
 
 
 if __name__ == "__main__":

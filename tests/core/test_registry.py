@@ -232,3 +232,21 @@ def test_status_prints_each_declared_stack_with_its_reasons():
         assert target in text
         for name, why in stack:
             assert f"{name}: {why}" in text
+
+
+def test_aliases_in_our_own_modules_are_rebound_and_restored():
+    """A module of ours that did ``from sat.x import f`` before the patches went on (the patches apply once the
+    outermost of our modules being imported has run) calls the patched ``f``."""
+    module, _ = _fake_target()
+    ours = types.ModuleType("sat_patches._satp_fake_user")
+    ours.sat_function = module.sat_function
+    sys.modules[ours.__name__] = ours
+    reg = Registry()
+    reg.add(Patch("times_ten", "satp_fake_target:sat_function", lambda orig: (lambda x: orig(x) * 10), answers="t"))
+    try:
+        reg.apply_all()
+        assert ours.sat_function(1) == 20
+        reg.unpatch_all()
+        assert ours.sat_function(1) == 2
+    finally:
+        del sys.modules[ours.__name__]

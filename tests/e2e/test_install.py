@@ -33,14 +33,3 @@ def test_editable_install_lets_import_sat_come_first_without_triton(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"FROM {src}" in out.stdout
 
-
-def test_one_version_everywhere():
-    """The installed distribution, the package and the README's requirement line say the same version."""
-    import re
-    from importlib import metadata
-    import sat_patches
-    assert metadata.version("sat_patches") == sat_patches.__version__
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert re.findall(r"^sat_patches==(\S+)$", readme, re.M) == [sat_patches.__version__]
-    assert f"sat_patches.git@v{sat_patches.__version__}" in readme
