@@ -12,6 +12,7 @@ import copy
 import json
 import os
 
+from ..checkpoints.model_config import read_model_config  # noqa: F401  (the one reader, checking)
 from .shapes import EVA_E_ARGS, UPSTREAM_CONFIGS  # noqa: F401  (the one table of model shapes)
 
 # The order in which model_config.json lists its fields (upstream's); other fields follow.
@@ -85,11 +86,3 @@ def write_model_config(args, directory: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(model_config_dict(args), f, indent=4)
     return path
-
-
-def read_model_config(directory_or_file: str) -> dict:
-    path = directory_or_file
-    if os.path.isdir(path):
-        path = os.path.join(path, "model_config.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)

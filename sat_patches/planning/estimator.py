@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, upstream_config
+from ..core import settings
 
 GB = 1e9
 GiB = 2 ** 30
@@ -69,7 +70,8 @@ DEMO_MAX_LENGTH = {490: 1288, 224: 400}
 HOST_BASE_CPU = 0.50 * GiB     # python + torch + SAT + DeepSpeed + gloo, one CPU rank (ledger, 2 ranks)
 HOST_BASE_CUDA = 3.0 * GiB     # the same process with CUDA libraries loaded
 GPU_RUNTIME = 1.0 * GiB        # CUDA context, NCCL buffers, allocator slack
-LOAD_CHUNK = 64 * 2 ** 20      # sharding.CHUNK_BYTES: the mapped checkpoint is copied in pieces of this size
+# the mapped checkpoint is copied in pieces of this size (checkpoints.sharding.CHUNK_BYTES: the setting's default)
+LOAD_CHUNK = settings.SETTINGS["SAT_PATCHES_LOAD_CHUNK_MB"].default * 2 ** 20
 GPU_MARGIN = 0.05              # keep this fraction of the card free
 HOST_MARGIN = 0.10
 
