@@ -1,13 +1,6 @@
-"""Arguments that cannot work, refused before the model is built with a message that says what to change.
-
-* :func:`check_lora_args` -- LoRA rank <= 0, ``layer_range`` outside the model's layers, ``--use_qlora``
-  without a working ``bitsandbytes``. Call it right after argument parsing (it reads ``num_layers``
-  from the ``model_config.json`` of ``--from_pretrained`` when given a directory). The patch
-  ``lora_args_check`` runs the same check in ``LoraMixin.__init__`` for scripts that do not call it
-  (upstream's ``finetune_cogvlm_demo.py``): there it stops before any LoRA layer is allocated.
-  Stock SAT takes ``r=0`` to a ``ZeroDivisionError`` (``lora_alpha / r``), a negative rank to a
-  failed ``torch.empty``, and an out-of-range layer index silently adds no LoRA to it.
-"""
+"""Arguments that cannot work, refused before the model is built with a message that says what to change:
+:func:`check_lora_args` (LoRA rank, layer range against the checkpoint's layers, a working bitsandbytes for
+QLoRA; the patch ``lora_args_check`` runs it in ``LoraMixin.__init__``) and :func:`check_finetune_args`."""
 from __future__ import annotations
 
 import os
