@@ -40,40 +40,12 @@ def _registered():
 
 def _apply_on_import() -> None:
     """Called once SAT is imported. When SAT's import came from a patch module being imported,
-    :mod:`sat_patches.patches` calls this again once all of them are. When it came from another module of
-    this package still being initialised (the patches import it: they would find it half-made), the patches
-    go on as soon as that module's code has run (:func:`_when_module_returns`)."""
+    :mod:`sat_patches.patches` calls this again once all of them are."""
     patches = sys.modules.get(f"{__name__}.patches")
     if patches is not None and not hasattr(patches, "PATCHES"):
         return
-    if not (_auto["pending"] and not _auto["applying"]):
-        return
-    initialising = _outermost_initialising_module()
-    if initialising is not None:
-        _when_module_returns(initialising, _apply_on_import)
-        return
-    apply()
-
-
-def _outermost_initialising_module():
-    """The frame running the code of the outermost module of this package that is still being imported, or None."""
-    found, frame = None, sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__", "").startswith(__name__ + "."):
-            found = frame
-        frame = frame.f_back
-    return found
-
-
-def _when_module_returns(frame, callback) -> None:
-    """Call ``callback`` once ``frame`` (a module's code) returns: every name of that module is defined then."""
-    previous = sys.getprofile()
-
-    def watch(f, event, arg):
-        if event == "return" and f is frame:
-            sys.setprofile(previous)
-            callback()
-    sys.setprofile(watch)
+    if _auto["pending"] and not _auto["applying"]:
+        apply()
 
 
 def _applied():

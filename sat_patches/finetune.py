@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 from sat import get_args
-from sat.training.deepspeed_training import training_main
+from sat.training import deepspeed_training  # its functions looked up at call time: patched or replaced
 
 from .checkpoints import safe_load
 from .cogvlm import create_dataset_function, data_collator, llama2_tokenizer, model_class_for, prepare_tiny_run
@@ -93,7 +93,7 @@ def train(argv) -> int:
     if args.evaluate_before:
         answer_every_sample(model, args, args.valid_data[0], args.local_tokenizer, args.evaluate_before, args.version,
                             args.evaluate_max_new_tokens, label="evaluation before training")
-    model = training_main(args, model_cls=model, forward_step_function=forward_step,
+    model = deepspeed_training.training_main(args, model_cls=model, forward_step_function=forward_step,
                           create_dataset_function=partial(create_dataset_function, image, text, cross),
                           collate_fn=partial(data_collator, cross_image_processor=cross))
     if args.probe:

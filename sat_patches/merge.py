@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import torch
 from sat.arguments import _simple_init
-from sat.model.finetune.lora2 import merge_linear_lora, replace_linear_with_lora
+from sat.model.finetune import lora2  # its functions looked up at call time: patched or replaced
 from sat.model.registry import model_registry
 
 from .checkpoints import adapter, files, sharding, writer
@@ -70,7 +70,7 @@ def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         if not is_lora_layer(getattr(parent, name)):
-            setattr(parent, name, replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
+            setattr(parent, name, lora2.replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
                                                            lora_alpha))
         paths.append(path)
     return paths
@@ -80,7 +80,7 @@ def fold_lora(model: torch.nn.Module, paths: List[str]) -> None:
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, name, merge_linear_lora(getattr(parent, name)))
+        setattr(parent, name, lora2.merge_linear_lora(getattr(parent, name)))
 
 
 def _checkpoint_dtype(state: dict) -> torch.dtype:

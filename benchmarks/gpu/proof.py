@@ -63,6 +63,7 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
     if tiny:
         os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
     import sat_patches  # noqa: F401  (before SAT: the patches go on when SAT is imported)
+    import sat  # noqa: F401  (now, before any of the parts imports a library module of ours that SAT's patches use)
     rec = Recorder(part, json_path, extra={"machine": machine()})  # CUDA starts in the parts only
     rec.save()
     if part == "c":

@@ -275,7 +275,7 @@ def stock_model(config: dict, dev):
 def qlora(rec: Recorder, tiny: bool, scratch: str) -> None:
     """Part b."""
     import torch
-    from sat_patches.cogvlm.tiny import save_pretrained_dir
+    from sat_patches.cogvlm.saving import save_pretrained_dir
     from sat_patches.planning.estimator import default_seq_len, plan_config
     dev = device()
     config = tiny_config("cogvlm") if tiny else full_config("cogvlm")

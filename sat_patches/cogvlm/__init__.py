@@ -55,7 +55,8 @@ _MODULES = {
     "jsonl_dataset": ["JsonlDataset", "create_dataset_function"],
     "models": ["CogAgentModel", "CogVLMModel", "FineTuneTrainCogAgentModel", "FineTuneTrainCogVLMModel", "model_class_for"],
     "text_processor": ["TextProcessor", "llama2_text_processor"],
-    "tiny": ["TinyRun", "build_tiny_model", "prepare_tiny_run", "save_pretrained_dir", "tiny_args"],
+    "tiny": ["TinyRun", "build_tiny_model", "prepare_tiny_run", "tiny_args"],
+    "saving": ["save_pretrained_dir"],
     "tokenizer": ["check_vocab", "llama2_tokenizer", "train_tiny_tokenizer"],
     "vision_expert": ["LlamaVisionExpertAttnMixin", "LlamaVisionExpertFCMixin"],
 }

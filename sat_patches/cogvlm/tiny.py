@@ -11,21 +11,17 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-from sat import mpu
 from sat.model.base_model import get_model
 
-from ..checkpoints import writer
-from ..core.coordination import barrier
 from ..data.jsonl import write_jsonl
 from .captcha_data import make_captcha_dataset
-from .config import TINY_MAX_LENGTH, _run_defaults, model_config_dict, tiny_config, write_model_config
+from .config import TINY_MAX_LENGTH, _run_defaults, tiny_config, write_model_config
 from .models import model_class_for
+from .saving import save_pretrained_dir
 from .shapes_data import TOKENIZER_VOCAB, make_shapes_dataset, tokenizer_text
 from .tokenizer import check_vocab, llama2_tokenizer, train_tiny_tokenizer
 
@@ -118,35 +114,6 @@ def write_captcha_conversations(images: str, path: str, turns: bool = True) -> i
             records.append({"image": rel, "prompt": "CAPTCHA:", "answer": label})
     write_jsonl(path, records)
     return len(records)
-
-
-def save_pretrained_dir(model, args, directory: str, iteration: int = 1) -> str:
-    """Write ``model`` in SAT's checkpoint layout so ``Model.from_pretrained(directory, args)`` /
-    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and every model-parallel
-    rank's ``<iteration>/mp_rank_XX_model_states.pt`` (every rank calls this).
-
-    The ranks write into a temporary sibling directory that global rank 0 then renames to
-    ``directory`` (:mod:`sat_patches.checkpoints.writer`): ``directory`` is replaced as a whole, and
-    only by a complete checkpoint."""
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    staged = writer.staging_dir_for(directory, shared=True)
-    if first:
-        shutil.rmtree(staged, ignore_errors=True)  # left by a save that crashed
-        os.makedirs(staged)
-    barrier(f"staging '{directory}'")
-    module = model.module if hasattr(model, "module") else model
-    state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    mp_rank = mpu.get_model_parallel_rank() if mpu.model_parallel_is_initialized() else 0
-    writer.write_layout(staged, iteration, {mp_rank: {"module": state, "iteration": iteration}},
-                        config=model_config_dict(args) if mp_rank == 0 else None, latest=mp_rank == 0)
-    barrier(f"saved a shard of '{directory}'")
-    if first:
-        try:
-            writer.publish_checkpoint_dir(staged, directory)
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
-    barrier(f"saved '{directory}'")
-    return directory
 
 
 def tiny_args(kind: str = "cogvlm", directory: Optional[str] = None, finetune: bool = True,

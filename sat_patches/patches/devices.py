@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
-from sat.training.model_io import save_ds_checkpoint_no_optim
+from sat.training import model_io  # save_ds_checkpoint_no_optim looked up at call time: patched or replaced
 
 from ..checkpoints.state import model_parallel_rng_tracker
 from ..core.registry import Patch, expect_names
@@ -95,7 +95,7 @@ def _save_ds_checkpoint(original):
             if tracker is not None:  # SAT's load_checkpoint reads these back; its save never wrote them
                 sd["rng_tracker_states"] = tracker.get_states()
         tag = f"{iteration}-ema" if use_ema else str(iteration)
-        save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
+        model_io.save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
     return save_ds_checkpoint
 
 

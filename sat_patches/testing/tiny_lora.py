@@ -14,7 +14,7 @@ import torch
 from sat import get_args, mpu
 from sat.model.finetune.lora2 import LoraMixin
 from sat.model.official.llama_model import LLaMAModel
-from sat.training.deepspeed_training import training_main
+from sat.training import deepspeed_training  # its functions looked up at call time: patched or replaced
 
 from sat_patches.checkpoints.adapter import is_adapter
 from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
@@ -109,7 +109,7 @@ def main(argv=None):
     parser = cls.add_model_specific_args(argparse.ArgumentParser(description="tiny lora"))
     args = get_args(DEFAULT_ARGS + rest, parser)
     args.loss_log = known.loss_log
-    training_main(args, model_cls=cls, forward_step_function=forward_step, create_dataset_function=create_dataset)
+    deepspeed_training.training_main(args, model_cls=cls, forward_step_function=forward_step, create_dataset_function=create_dataset)
     torch.distributed.barrier()
     return 0
 

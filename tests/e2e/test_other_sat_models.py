@@ -138,7 +138,8 @@ def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
     from sat.model.base_model import get_model
 
     from sat_patches import evaluate
-    from sat_patches.cogvlm.tiny import save_pretrained_dir, tiny_args
+    from sat_patches.cogvlm.saving import save_pretrained_dir
+    from sat_patches.cogvlm.tiny import tiny_args
     args = tiny_args("cogvlm", lora_rank=4, seed=1234)
     args.model_class = "LoraCogVLM"
     model = get_model(args, scripts.LoraCogVLM)

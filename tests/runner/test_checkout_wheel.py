@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
+from fake_checkout import write_fake_checkout
 from isolated import dependencies_without_us, tracked_copy
-
 from test_checkout_cpu import assert_checkout_cpu_run_succeeded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,11 +48,9 @@ def wheel_env(tmp_path_factory):
 
 
 def _checkout(python, env, dest):
-    """The synthetic checkout (written by the installed package) with only finetune_cogvlm.sh added,
-    written there by ``sat-patches scripts``."""
-    code = ("import sys; from fake_checkout import write_fake_checkout; "
-            "write_fake_checkout(sys.argv[1])")
-    subprocess.run([python, "-c", code, str(dest)], check=True, env=env, timeout=300)
+    """The synthetic checkout (the suite's stand-in for a CogVLM fork) with only finetune_cogvlm.sh added,
+    written there by the installed package's ``sat-patches scripts``."""
+    write_fake_checkout(str(dest))
     scripts = dest.parent / "scripts"
     out = subprocess.run([python, "-m", "sat_patches", "scripts", str(scripts)], capture_output=True, text=True,
                          env=env, timeout=300)
