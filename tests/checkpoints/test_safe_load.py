@@ -60,6 +60,7 @@ def _load_at_mp2(ckpt):
     return None
 
 
+@pytest.mark.slow  # end to end on CPU ranks (over 10 s)
 @pytest.mark.multirank
 def test_from_pretrained_at_mp2_refuses_on_every_rank(tmp_path):
     marker = str(tmp_path / "ran")

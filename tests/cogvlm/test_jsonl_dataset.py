@@ -94,6 +94,7 @@ def _argv(tiny, tmp_path, train, valid, mp):
     return ["--kind", "cogvlm", *options]
 
 
+@pytest.mark.slow  # end to end on CPU ranks (over 10 s)
 @pytest.mark.multirank
 def test_the_standalone_cogvlm_trains_on_conversations_at_mp2(tiny, tmp_path):
     argv = _argv(tiny, tmp_path, tiny.train_jsonl, tiny.valid_jsonl, mp=2)

@@ -49,6 +49,7 @@ def test_every_default_reads_back_through_its_own_parser():
         assert settings.read(s.name, {s.name: shown}) == s.default, s.name
 
 
+@pytest.mark.slow  # a fresh interpreter that imports SAT and applies the patches (over 10 s)
 def test_a_bad_chunk_size_is_refused_at_import_with_its_name():
     """The chunk sizes are read when their modules are imported: a bad one names itself there."""
     from zygote import run_before_sat

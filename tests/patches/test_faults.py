@@ -60,6 +60,7 @@ def test_killed_rank_is_named_by_survivors():
     assert elapsed < 90
 
 
+@pytest.mark.slow  # end to end on CPU ranks (over 10 s)
 @pytest.mark.multirank
 def test_without_heartbeat_survivors_do_not_name_the_dead_rank():
     results, _ = _run(patches=["rank_heartbeat"])
