@@ -21,7 +21,7 @@ import torch
 
 from sat_patches.testing import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # SAT's ChatGLM2 trained on 2 CPU ranks (~35 s)
 
 
 def _train(argv, nranks, patches=True):
