@@ -54,7 +54,7 @@ HEADER_MB = f"{'measured MB':>12}{'plan MB':>10}{'ratio':>8}"
 
 def full_size_tables() -> bool:
     from sat_patches.cogvlm.shapes import upstream_config
-    from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
+    from sat_patches.core.kinds import KINDS
     from layer_bytes import (layer_bytes, planned_activations, planned_layer_bytes,
                                                  released_layers, step_peak)
     ok = True
@@ -64,7 +64,7 @@ def full_size_tables() -> bool:
         kinds = ("language", "eva", "encoder") if kind == "cogagent" else ("language", "eva")
         for layer in kinds:
             for train in ("lora", "demo") if kind == "cogagent" else ("lora",):
-                trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
+                trains = KINDS[kind].demo_trains if train == "demo" else (lambda n: False)
                 if layer == "encoder" and train == "lora":
                     continue  # frozen: keeps nothing per layer
                 for mp in (1, 2, 4):
@@ -79,7 +79,7 @@ def full_size_tables() -> bool:
         config = upstream_config(name)
         layers = released_layers(config)
         for train in ("lora", "demo"):
-            trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
+            trains = KINDS[kind].demo_trains if train == "demo" else (lambda n: False)
             measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
             planned = sum(planned_activations(config, 1, layers=layers, checkpoint=True, train=train).values())
             ok &= measured <= planned <= 1.3 * measured

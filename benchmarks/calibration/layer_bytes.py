@@ -97,7 +97,7 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     of ``mp``, in bf16, with ``layers`` of each kind (default 1), activation checkpointing as
     ``--checkpoint-activations --vit_checkpoint_activations`` turn it on, at ``tokens`` (the demo's
     max_length by default); besides the LoRA factors, the parameters whose names ``trains`` accepts train
-    (``sat_patches.cogvlm.trainer.DEMO_TRAINABLE``: what upstream's demo trains). Weights and inputs made before the
+    (``sat_patches.core.kinds.KINDS[kind].demo_trains``: what upstream's demo trains). Weights and inputs made before the
     step are not counted, nor are the parameters' gradients (dropped as soon as each is complete)."""
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.runtime import devices

@@ -27,17 +27,13 @@ from typing import Dict, Optional
 from ..core import settings
 from ..core.registry import SatPatchesWarning
 from .files import Checkpoint, CheckpointError, find_checkpoint
+from .lora_names import is_adapter
 from .writer import write_text_atomic
 
 MANIFEST = "adapter.json"
 SETTING = "SAT_PATCHES_SAVE_ADAPTER_ONLY"
 BASE_ATTRIBUTE = "sat_patches_base"   # set on a model by loading a whole checkpoint: its fingerprint()
 _BLOCKS, _BLOCK = 16, 64 * 1024
-
-
-def is_adapter(name: str) -> bool:
-    """A LoRA matrix (SAT's ``LoraLinear``: ``matrix_A.i`` / ``matrix_B.i``)."""
-    return "matrix_A" in name or "matrix_B" in name
 
 
 class AdapterError(CheckpointError):

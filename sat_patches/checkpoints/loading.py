@@ -21,6 +21,7 @@ from sat.resources import auto_create
 
 from ..checkpoints import adapter
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
+from ..checkpoints.lora_names import is_adapter
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device,
                                  meta_tensors, open_source, restore_rng,)
@@ -75,7 +76,7 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
                 return not converts(module)
         missing, unexpected = load_state(module, source, after=convert, lend=lend)
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
-        missing = [k for k in missing if adapter.is_adapter(k)]
+        missing = [k for k in missing if is_adapter(k)]
     else:
         setattr(module, adapter.BASE_ATTRIBUTE, adapter.fingerprint(ckpt))
     if unexpected:

@@ -28,6 +28,7 @@ from sat.mpu import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 
 from ..core import settings
 from .files import Checkpoint, CheckpointError
+from .lora_names import FACTOR_A, FACTOR_B, factor_key
 
 CHUNK_BYTES = int(settings.read("SAT_PATCHES_LOAD_CHUNK_MB") * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
@@ -103,22 +104,22 @@ def lora_factor_split(kind: str, factor: str) -> Optional[Split]:
 
     A follows the base's input: split by columns under a row-parallel base. B follows the base's
     output: split by rows under a column-parallel base."""
-    if factor == "matrix_A":
+    if factor == FACTOR_A:
         return Split(1) if kind == ROW else None
-    if factor == "matrix_B":
+    if factor == FACTOR_B:
         return Split(0) if kind == COLUMN else None
-    raise ValueError(f"LoRA factor must be 'matrix_A' or 'matrix_B', not {factor!r}")
+    raise ValueError(f"LoRA factor must be {FACTOR_A!r} or {FACTOR_B!r}, not {factor!r}")
 
 
 @register_split_rule
 def _lora_rule(model, key, name):
     """LoRA ``matrix_A.i``/``matrix_B.i``: :func:`lora_factor_split` of their layer's base."""
-    path, found, rest = key.rpartition(".matrix_")
-    if not found or rest[:2] not in ("A.", "B."):
+    found = factor_key(key)
+    if found is None:
         return None
-    layer = model.get_submodule(path)
+    layer = model.get_submodule(found.layer)
     kind = getattr(layer, "kind", None) or parallel_kind(layer.original)
-    return lora_factor_split(kind, "matrix_" + rest[:1]) or "replicated"
+    return lora_factor_split(kind, found.factor) or "replicated"
 
 
 def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> List[Tuple[int, int, int, int]]:

@@ -24,6 +24,7 @@ from ..core.coordination import stage
 from ..core.registry import SatPatchesWarning
 from ..runtime import devices
 from .files import Checkpoint, CheckpointError
+from .lora_names import FACTORS, factor_key
 from .sharding import ShardedSource, split_of
 
 
@@ -176,7 +177,7 @@ def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
 def _materialise_lora_factors(layer: torch.nn.Module, device: torch.device) -> None:
     """A LoRA layer built on meta (over a checkpoint without LoRA): its A and B on ``device``, initialised."""
     made = False
-    for factor in ("matrix_A", "matrix_B"):
+    for factor in FACTORS:
         factors = getattr(layer, factor, None) or []
         for i, p in enumerate(factors):
             if p.is_meta:
@@ -190,8 +191,8 @@ def _materialise_lora_factors(layer: torch.nn.Module, device: torch.device) -> N
 
 def _lora_factor_over_plain(key: str, keys) -> bool:
     """``key`` is LoRA's ``matrix_A.i``/``matrix_B.i`` of a layer the checkpoint holds without LoRA."""
-    path, found, rest = key.rpartition(".matrix_")
-    return bool(found) and rest[:2] in ("A.", "B.") and path + ".weight" in keys
+    found = factor_key(key)
+    return found is not None and found.layer + ".weight" in keys
 
 
 def meta_tensors(model: torch.nn.Module) -> List[str]:

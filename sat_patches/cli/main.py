@@ -1,23 +1,27 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``, ``export``, ``import``.
+"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``, ``merge``, ``evaluate``,
+``finetune``, ``export``, ``import``.
 
 Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
 this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
-(which looks at torch, CUDA and the patches) import them when they run.
+(which looks at torch, CUDA and the patches) import them when they run, as do ``merge``, ``evaluate``,
+``finetune`` and ``export`` (each also ``python -m sat_patches.<verb>``).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import doctor, export, plan, report, scripts, status
+from . import doctor, evaluate, export, finetune, merge, plan, report, scripts, status
 
 # (name, function that adds the subparser)
 COMMANDS = [("status", status.add_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
-            ("report", report.add_parser), ("scripts", scripts.add_parser), ("export", export.add_parser)]
+            ("report", report.add_parser), ("scripts", scripts.add_parser), ("merge", merge.add_parser),
+            ("evaluate", evaluate.add_parser), ("finetune", finetune.add_parser), ("export", export.add_parser)]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sat-patches", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sat-patches", description="multi-GPU CogVLM / CogAgent fine-tuning on SAT: "
+                                     "check, plan, write the scripts, train, merge, evaluate, export")
     sub = parser.add_subparsers(dest="command", required=True)
     for _, add in COMMANDS:
         add(sub)
@@ -25,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # verbs with their own argument parser: everything after the verb is theirs (``sat-patches export --help``)
-OWN_PARSER = {"export": export.main, "import": export.import_main}
+OWN_PARSER = {"merge": merge.main, "evaluate": evaluate.main, "finetune": finetune.main, "export": export.main,
+              "import": export.import_main}
 
 
 def main(argv=None) -> int:

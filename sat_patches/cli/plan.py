@@ -7,6 +7,7 @@ import json
 import sys
 from typing import List, Optional
 
+from ..core.registry import VERIFIED_SAT
 from ..planning.estimator import (GB, MODELS, Option, _preference, deepspeed_config, default_seq_len, model_parts,
                                   options, parameter_count, recommend, resolve_model, script_settings,)
 
@@ -65,7 +66,8 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
               f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
               f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
-              f"node with sat_patches (stock SwissArmyTransformer 0.4.12 peaks near {e.host_stock_node / GB:.0f} GB per node)",
+              f"node with sat_patches (stock SwissArmyTransformer {VERIFIED_SAT} peaks near "
+              f"{e.host_stock_node / GB:.0f} GB per node)",
               f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"
               f" --max_length {s.seq_len}" + (" --checkpoint-activations --vit_checkpoint_activations"
                                                 if s.checkpoint_activations else ""),

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
+from ..core.kinds import KINDS
 from ..runner.finetune_run import DEFAULTS, KIND_DEFAULTS
 
-KINDS = {"cogvlm": "CogVLM", "cogagent": "CogAgent"}
 SHARED = ("NUM_GPUS_PER_WORKER", "MP_SIZE", "NNODES", "HOST_FILE", "MICRO_BATCH", "DS_CONFIG")
 
 TEMPLATE = """#!/usr/bin/env bash
@@ -41,7 +41,7 @@ def script_text(kind: str) -> str:
     def settings(names, values):
         return " ".join(f"{n}={values[n]}" for n in names)
     own = KIND_DEFAULTS[kind]
-    return TEMPLATE.format(kind=kind, name=KINDS[kind], shared=settings(SHARED, DEFAULTS),
+    return TEMPLATE.format(kind=kind, name=KINDS[kind].title, shared=settings(SHARED, DEFAULTS),
                            model=settings(["MODEL_TYPE", "MAX_LENGTH", "LORA_RANK", "TRAIN_ITERS"], own))
 
 

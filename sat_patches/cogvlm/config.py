@@ -13,6 +13,7 @@ import json
 import os
 
 from ..checkpoints.model_config import read_model_config  # noqa: F401  (the one reader, checking)
+from ..core import kinds
 from .shapes import EVA_E_ARGS, UPSTREAM_CONFIGS  # noqa: F401  (the one table of model shapes)
 
 # The order in which model_config.json lists its fields (upstream's); other fields follow.
@@ -26,28 +27,42 @@ CONFIG_FIELDS = [
 
 TINY_TOKENIZER_TYPE = "sat_patches-tiny-captcha"
 TINY_MAX_LENGTH = 80  # room for bos + 18 image slots + prompt + label + eos, plus upstream's 50-token margin
+# the tiny language model and image tower (16 image tokens: 56x56 px images in patches of 14)
+TINY_LANGUAGE = {"tokenizer_type": TINY_TOKENIZER_TYPE, "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+                 "vocab_size": 1024, "max_sequence_length": 512, "inner_hidden_size": 256, "image_length": 16}
+TINY_EVA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "inner_hidden_size": 256,
+            "image_size": [56, 56], "max_sequence_length": 17}
+# upstream's classes hard-code these widths whatever model_config.json says: the image projector takes 1792
+# features (ImageMixin), the cross attention 1024 (the EVA-CLIP-L encoder is built from fixed settings)
+UPSTREAM_EVA_WIDTH, UPSTREAM_CROSS_WIDTH = 1792, 1024
 
 
-def tiny_config(kind: str = "cogvlm") -> dict:
+def tiny_config(kind: str = "cogvlm", upstream_classes: bool = False) -> dict:
     """The tiny stand-in's ``model_config.json`` content: LLaMA 2x128 (4 heads, vocab 1024), EVA
     2x64 on 56x56 images with patch 14 (16 image tokens); CogAgent adds a 2-layer, width-64
-    EVA-CLIP-L style encoder on 112x112 images (64 cross tokens) and cross attention of 4x16."""
-    eva = dict(EVA_E_ARGS, num_layers=2, hidden_size=64, num_attention_heads=4, inner_hidden_size=256,
-               image_size=[56, 56], max_sequence_length=17)
-    common = {
-        "tokenizer_type": TINY_TOKENIZER_TYPE, "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
-        "vocab_size": 1024, "layernorm_order": "pre", "model_parallel_size": 1, "max_sequence_length": 512,
-        "use_bias": False, "inner_hidden_size": 256, "image_length": 16, "eva_args": eva,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
+    EVA-CLIP-L style encoder on 112x112 images (64 cross tokens) and cross attention of 4x16.
+
+    ``upstream_classes``: for upstream CogVLM's own classes instead of ours: the released
+    ``model_config.json`` (same keys, same order) with the tiny values, EVA as wide as upstream's projector
+    takes (1792, 16 heads) and CogAgent's cross encoder 1024 wide with ``encoder_args`` asking for 2 layers
+    on 112 px cross images (upstream's classes ignore ``encoder_args`` and build the released 24 layers)."""
+    if upstream_classes:
+        config = copy.deepcopy(UPSTREAM_CONFIGS[kinds.kind(kind).released])
+        config.update({k: v for k, v in TINY_LANGUAGE.items() if k in config})
+        config["eva_args"].update(TINY_EVA, hidden_size=UPSTREAM_EVA_WIDTH, num_attention_heads=16,
+                                  inner_hidden_size=512)
+        if kind == "cogagent":
+            config.update(is_decoder=[True] * config["num_layers"], cross_image_pix=112, encoder_args={"layers": 2})
+        return config
+    common = {**TINY_LANGUAGE, "layernorm_order": "pre", "model_parallel_size": 1, "use_bias": False,
+              "eva_args": dict(EVA_E_ARGS, **TINY_EVA), "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    model = {"model_class": kinds.kind(kind).model_class}
     if kind == "cogvlm":
-        return {"model_class": "CogVLMModel", **common}
-    if kind == "cogagent":
-        encoder = {"layers": 2, "width": 64, "head_width": 32, "embed_dim": 32}
-        return {"model_class": "CogAgentModel", "text_processor_version": "chat", **common,
-                "is_decoder": [True] * common["num_layers"], "cross_attn_hidden_size": encoder["width"],
-                "cross_hidden_size_per_attention_head": 16, "encoder_args": encoder, "cross_image_pix": 112}
-    raise ValueError(f"kind must be 'cogvlm' or 'cogagent', not {kind!r}")
+        return {**model, **common}
+    encoder = {"layers": 2, "width": 64, "head_width": 32, "embed_dim": 32}
+    return {**model, "text_processor_version": "chat", **common,
+            "is_decoder": [True] * common["num_layers"], "cross_attn_hidden_size": encoder["width"],
+            "cross_hidden_size_per_attention_head": 16, "encoder_args": encoder, "cross_image_pix": 112}
 
 
 def _run_defaults() -> dict:

@@ -20,6 +20,7 @@ import torch
 
 from sat.model.official.llama_model import LLaMAModel
 
+from ..core.kinds import KINDS
 from .eva_clip_large import ExternalVisionModel, encoder_config
 from .image_mixin import ImageMixin
 from .llama import init_llama_base
@@ -153,7 +154,7 @@ class FineTuneTrainCogAgentModel(CogAgentModel):
 
 
 def model_class_for(kind_or_name: str, finetune: bool = True):
-    name = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}.get(kind_or_name, kind_or_name)
+    name = KINDS[kind_or_name].model_class if kind_or_name in KINDS else kind_or_name
     if finetune and not name.startswith("FineTuneTrain"):
         name = "FineTuneTrain" + name
     return globals()[name]

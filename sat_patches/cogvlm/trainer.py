@@ -10,7 +10,8 @@ import torch
 from sat import mpu
 from sat.model.finetune.lora2 import LoraMixin
 
-from ..checkpoints.adapter import is_adapter
+from ..checkpoints.lora_names import is_adapter
+from ..core.kinds import KINDS
 from . import get_image_processor, llama2_text_processor
 
 
@@ -64,29 +65,12 @@ def forward_step(data_iterator, model, args, timers):
     return loss, {"loss": loss}
 
 
-def _eva_mlp_layer_46_to_54(name: str) -> bool:
-    if "vit" not in name or ".mlp" not in name:
-        return False
-    layer = name[:name.find(".mlp")].rsplit(".", 1)[-1]
-    return layer.isdigit() and 45 < int(layer) < 55
-
-
-# Beyond the adapters, what upstream's finetune demos train (parameter names matched as they match them):
-# CogVLM the MLP of EVA layers 46-54; CogAgent the cross encoder and attention, the GLU adapter, both
-# vision experts, boi/eoi and the EVA tower.
-DEMO_TRAINABLE = {
-    "cogvlm": _eva_mlp_layer_46_to_54,
-    "cogagent": lambda name: any(key in name for key in ("encoder", "cross_attention", "linear_proj", "mlp.vision",
-                                                         "rotary.vision", "eoi", "boi", "vit")),
-}
-
-
 def disable_untrainable_params(model):
-    """What upstream's demo trains: the adapters and :data:`DEMO_TRAINABLE`. ``SAT_PATCHES_TRAINABLE=lora``
+    """What upstream's demo trains: the adapters and the kind's ``demo_trains`` (:mod:`sat_patches.core.kinds`). ``SAT_PATCHES_TRAINABLE=lora``
     (the finetune scripts' default for this trainer) narrows it to the adapters."""
     kind = getattr(model.args, "kind", "cogvlm")
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name) or DEMO_TRAINABLE[kind](name.lower()))
+        p.requires_grad_(is_adapter(name) or KINDS[kind].demo_trains(name.lower()))
 
 
 def processors(args, tokenizer):

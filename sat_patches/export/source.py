@@ -21,7 +21,7 @@ from ..checkpoints import files, sharding
 from ..checkpoints.files import CheckpointError
 from ..cogvlm.on_meta import build_on_meta
 from ..lora.layer import add_lora_product
-from ..merge import adapter_base
+from ..checkpoints.merge import adapter_base
 from . import names
 
 _LORA = re.compile(r"^(?P<path>.+)\.matrix_(?P<factor>[AB])\.(?P<index>\d+)$")

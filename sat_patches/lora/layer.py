@@ -14,8 +14,8 @@ correct under model parallelism; merged in place.
   (:mod:`sat_patches.lora.qlora`).
 
 State-dict keys are stock SAT's (``...original.weight``, ``...matrix_A.0``, ``...matrix_B.0``): stock LoRA
-checkpoints load, and what is saved here loads into stock SAT. :func:`is_adapter` is the one rule for
-"is this parameter a LoRA factor".
+checkpoints load, and what is saved here loads into stock SAT; the names are declared in
+:mod:`sat_patches.checkpoints.lora_names`.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
+from ..checkpoints.lora_names import BASE, FACTORS
 from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
 from ..core import settings
 from ..runtime import devices
@@ -117,7 +118,7 @@ class LoraLinear(nn.Module):
         rows = segment_sizes(out_features, partition)
         self.matrix_A = nn.ParameterList(nn.Parameter(_beside(weight, r, in_features)) for _ in rows)
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
-        for factor in ("matrix_A", "matrix_B"):
+        for factor in FACTORS:
             split = lora_factor_split(self.kind, factor) is not None
             for p in getattr(self, factor):
                 _mark_split(p, split)
@@ -241,7 +242,7 @@ def lora_targets(layer, cross_attention: bool):
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A LoRA layer: this package's :class:`LoraLinear` or stock SAT's (both keep ``original``, ``matrix_A``, ``matrix_B``)."""
-    return all(hasattr(module, a) for a in ("matrix_A", "matrix_B", "original"))
+    return all(hasattr(module, name) for name in (BASE, *FACTORS))
 
 
 def has_lora(model: nn.Module) -> bool:

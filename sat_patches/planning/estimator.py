@@ -40,6 +40,7 @@ from typing import Dict, List, Optional
 
 from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, upstream_config
 from ..core import settings
+from ..core.kinds import KINDS
 
 GB = 1e9
 GiB = 2 ** 30
@@ -193,11 +194,6 @@ def lora_parts(c: dict, rank: int, eva: bool = True) -> List[Part]:
     return parts
 
 
-def demo_eva_mlp_layers(eva_layers: int) -> int:
-    """How many of ``eva_layers`` EVA layers upstream's CogVLM demo trains the MLP of (layers 46-54)."""
-    return len([i for i in range(eva_layers) if 45 < i < 55])
-
-
 def demo_trainable_parts(c: dict) -> List[Part]:
     """Beyond LoRA, what upstream's finetune_demo ``disable_untrainable_params`` leaves trainable:
     CogVLM the MLP of EVA layers 46-54; CogAgent the encoder, cross attention, GLU adapter, both
@@ -206,7 +202,7 @@ def demo_trainable_parts(c: dict) -> List[Part]:
     if not e:
         return []
     if not c.get("cross_image_pix"):
-        layers = demo_eva_mlp_layers(e["num_layers"])
+        layers = KINDS["cogvlm"].demo_eva_mlp_layers(e["num_layers"])
         h, f = e["hidden_size"], e["inner_hidden_size"]
         return [_sum("EVA MLP, layers 46-54", [_linear(h, f, True), _linear(f, h, True, "row")], layers)]
     named = {p.name: p for p in model_parts(c)}
@@ -337,7 +333,7 @@ def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
     layers = c["eva_args"]["num_layers"]
     if s.train != "demo":
         return 0
-    return layers if c.get("cross_image_pix") else demo_eva_mlp_layers(layers)
+    return KINDS["cogagent" if c.get("cross_image_pix") else "cogvlm"].demo_eva_mlp_layers(layers)
 
 
 def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:

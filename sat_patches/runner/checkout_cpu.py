@@ -36,42 +36,15 @@ from typing import Dict, List
 import torch
 from sat.arguments import _simple_init
 
-from sat_patches.cogvlm import (UPSTREAM_CONFIGS, check_vocab, data_collator, llama2_tokenizer, make_captcha_dataset,
-                                train_tiny_tokenizer,)
-from sat_patches.cogvlm.config import CONFIG_FIELDS
+from sat_patches.cogvlm import check_vocab, data_collator, llama2_tokenizer, make_captcha_dataset, train_tiny_tokenizer
+from sat_patches.cogvlm.config import CONFIG_FIELDS, tiny_config
+from sat_patches.core import kinds
 from sat_patches.core.ports import free_port
 from sat_patches.cogvlm.trainer import lm_loss, model_inputs
-from sat_patches.merge import merge
+from sat_patches.checkpoints.merge import merge
 
-KINDS = ("cogvlm", "cogagent")
-MODEL_CLASS = {"cogvlm": "CogVLMModel", "cogagent": "CogAgentModel"}
-RELEASED = {"cogvlm": "cogvlm-base-490", "cogagent": "cogagent-chat"}
-EVA_OUTPUT_WIDTH = 1792
-# the demo's merge-and-save target, relative to the directory it runs in
-MERGED = {"cogvlm": "checkpoints/merged_lora_cogvlm{image_size}", "cogagent": "checkpoints/merged_lora_cogagent"}
 # parameters upstream creates with skip_init=True (no initialisation): the vision-expert mixins
 UNINITIALISED_PREFIXES = ("mixins.mlp.", "mixins.rotary.")
-
-
-def tiny_config(kind: str) -> dict:
-    """The released ``model_config.json`` of ``kind`` (same keys, same order) with small values: LLaMA
-    2x128 (4 heads), vocabulary 1024, EVA 2 layers of width 1792 (16 heads) on 56 px images (16 image
-    tokens). CogAgent's cross encoder stays 1024 wide (upstream builds it from fixed settings, and its
-    cross attention takes 1024 features) with ``encoder_args`` asking for 2 layers, on 112 px cross images:
-    upstream's classes ignore ``encoder_args`` and build the released 24 layers (~300M parameters, all
-    trainable in its demo: about 10 GB per CPU rank), classes that honour it build a small one."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-    config = copy.deepcopy(UPSTREAM_CONFIGS[RELEASED[kind]])
-    small = {"num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "vocab_size": 1024,
-             "max_sequence_length": 512, "inner_hidden_size": 256, "image_length": 16,
-             "tokenizer_type": "sat_patches-tiny-captcha"}
-    config.update({k: v for k, v in small.items() if k in config})
-    config["eva_args"].update(num_layers=2, hidden_size=EVA_OUTPUT_WIDTH, num_attention_heads=16,
-                              inner_hidden_size=512, image_size=[56, 56], max_sequence_length=17)
-    if kind == "cogagent":
-        config.update(is_decoder=[True] * config["num_layers"], cross_image_pix=112, encoder_args={"layers": 2})
-    return config
 
 
 @contextlib.contextmanager
@@ -135,8 +108,8 @@ def initialise_uninitialised(model, std: float = 0.02) -> List[str]:
 
 def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234) -> dict:
     """Build the tiny ``kind`` with the checkout's own class and save it under ``out_dir``."""
-    config = tiny_config(kind)
-    cls = checkout_class(checkout, MODEL_CLASS[kind])
+    config = tiny_config(kind, upstream_classes=True)
+    cls = checkout_class(checkout, kinds.kind(kind).model_class)
     _single_process()
     torch.manual_seed(seed)
     model = cls(_build_args(cls, config, seed))
@@ -165,7 +138,7 @@ def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: 
     train = make_captcha_dataset(paths["train"], n_train, seed=seed)
     labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
     make_captcha_dataset(paths["valid"], n_valid, seed=seed + 1, exclude=labels)
-    config = tiny_config(kind)
+    config = tiny_config(kind, upstream_classes=True)
     check_vocab(llama2_tokenizer(paths["tokenizer"]), config["vocab_size"], config["pad_token_id"])
     info = build_tiny_checkpoint(checkout, kind, paths["model"])
     print(f"prepared for the CPU run of {kind}: tiny {info['class']} ({info['parameters'] / 1e6:.1f}M parameters) "
@@ -175,8 +148,8 @@ def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: 
 
 # ----------------------------------------------------------------------------- verify
 def merged_dir(kind: str, workdir: str) -> str:
-    image_size = tiny_config(kind)["eva_args"]["image_size"][0]
-    return os.path.join(workdir, MERGED[kind].format(image_size=image_size))
+    image_size = tiny_config(kind, upstream_classes=True)["eva_args"]["image_size"][0]
+    return os.path.join(workdir, kinds.kind(kind).merged_dir.format(image_size=image_size))
 
 
 def _shards(directory: str) -> List[str]:
@@ -255,7 +228,7 @@ def main(argv=None) -> int:
     for name in ("prepare", "verify"):
         s = sub.add_parser(name)
         s.add_argument("--checkout", required=True, help="root of the CogVLM checkout (holds finetune_demo/, utils/)")
-        s.add_argument("--kind", choices=KINDS, default="cogvlm")
+        s.add_argument("--kind", choices=kinds.NAMES, default="cogvlm")
         s.add_argument("--workdir", required=True)
         if name == "verify":
             s.add_argument("--mp", type=int, required=True, help="model-parallel size of the run")

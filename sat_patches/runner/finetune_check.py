@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from ..cogvlm.config import tiny_config
+from ..core.kinds import NAMES
 from ..cogvlm.shapes import RELEASED, upstream_config
 from ..data.jsonl import check_data_path
 
@@ -25,7 +26,7 @@ def model_heads_table() -> dict:
     """Attention heads of every released model name and of the CPU runs' tiny models (one table of shapes:
     :mod:`sat_patches.cogvlm.shapes`)."""
     heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
-    heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in ("cogvlm", "cogagent")})
+    heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in NAMES})
     return heads
 
 

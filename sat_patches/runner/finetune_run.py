@@ -33,11 +33,10 @@ import sys
 from typing import Dict, List, Optional
 
 from ..cogvlm.config import tiny_config
+from ..core.kinds import KINDS
 from ..core.ports import free_port
 from ..planning import estimator as plan
 from .finetune_check import check, config_path, data_errors, visible_gpus
-
-UPSTREAM_DEMO = {"cogvlm": "finetune_cogvlm_demo.py", "cogagent": "finetune_cogagent_demo.py"}
 
 # upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
 DEFAULTS = {
@@ -55,8 +54,8 @@ DEFAULTS = {
                               # only LoRA trains on a loaded base
 }
 KIND_DEFAULTS = {
-    "cogvlm": {"MODEL_TYPE": "cogvlm-base-490", "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
-    "cogagent": {"MODEL_TYPE": "cogagent-chat", "VERSION": "chat", "MAX_LENGTH": "400", "LORA_RANK": "50",
+    "cogvlm": {"MODEL_TYPE": KINDS["cogvlm"].released, "MAX_LENGTH": "1288", "LORA_RANK": "10", "TRAIN_ITERS": "800"},
+    "cogagent": {"MODEL_TYPE": KINDS["cogagent"].released, "VERSION": "chat", "MAX_LENGTH": "400", "LORA_RANK": "50",
                  "TRAIN_ITERS": "2000"},
 }
 # no GPU: the tiny CPU demo (2 ranks at MP=2, a short run)
@@ -152,7 +151,7 @@ def cpu_ranks_set(env: Dict[str, str]) -> bool:
 
 def mode(env: Dict[str, str]) -> str:
     kind = env["MODEL_KIND"]
-    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])):
+    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)):
         return "checkout-cpu" if cpu_ranks_set(env) else "checkout"
     if cpu_ranks_set(env):
         return "cpu"
@@ -213,7 +212,7 @@ def deepspeed_command(env: Dict[str, str], program: List[str], options: List[str
 
 def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[str]]:
     if checkout:
-        program = [os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])]
+        program = [os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)]
     else:
         program = ["-m", "sat_patches.finetune", "train", "--kind", kind]
     return [deepspeed_command(env, program, train_options(env))]
@@ -271,7 +270,7 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     return [
         [py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where],
         [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
-         "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind]),
+         "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
          *train_options(env, **paths)],
         [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
          "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]],
@@ -314,10 +313,10 @@ def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:
     """A ``.jsonl`` TRAIN_DATA/VALID_DATA given to a checkout's demo that reads only folders of images."""
     if run_mode != "checkout-cpu":
         return []
-    demo = os.path.join(env["SCRIPT_DIR"], UPSTREAM_DEMO[kind])
+    demo = os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)
     with open(demo, encoding="utf-8") as f:
         reads_jsonl = re.search(r"from sat_patches\.cogvlm[\w.]* import [^\n]*\bcreate_dataset_function\b", f.read())
-    return [f"{name}={env[name]}: the checkout's {UPSTREAM_DEMO[kind]} reads folders of <label>.jpg images (its "
+    return [f"{name}={env[name]}: the checkout's {KINDS[kind].upstream_demo} reads folders of <label>.jpg images (its "
             f"ItemDataset), not JSON Lines: pass a folder, or make the demo use sat_patches.cogvlm's "
             f"create_dataset_function" for name in ("TRAIN_DATA", "VALID_DATA")
             if env.get(name, "").endswith(".jsonl") and not reads_jsonl]
@@ -395,7 +394,7 @@ def main(argv=None) -> int:
 
 def print_evaluations(save_dir: str) -> None:
     """The exact match before training (where the CPU demo measured it) and after, one line each."""
-    from ..evaluate import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
+    from ..cogvlm.evaluation import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
     before, out = evaluation_dir(save_dir, before=True), evaluation_dir(save_dir)
     if os.path.isfile(os.path.join(before, "summary.json")):
         summary = read_summary(before)

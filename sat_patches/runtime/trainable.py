@@ -3,7 +3,7 @@ own choice.
 """
 from __future__ import annotations
 
-from ..checkpoints.adapter import is_adapter
+from ..checkpoints.lora_names import is_adapter
 from ..core import settings
 
 ENV = "SAT_PATCHES_TRAINABLE"

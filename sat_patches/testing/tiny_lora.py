@@ -16,7 +16,7 @@ from sat.model.finetune.lora2 import LoraMixin
 from sat.model.official.llama_model import LLaMAModel
 from sat.training import deepspeed_training  # its functions looked up at call time: patched or replaced
 
-from sat_patches.checkpoints.adapter import is_adapter
+from sat_patches.checkpoints.lora_names import is_adapter
 from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
 
 VOCAB = 1024  # SAT's BaseTransformer makes a plain nn.Embedding below 1000 words, a model-parallel one from 1000

@@ -25,27 +25,28 @@ def _argv(tiny, save):
 def train_both_and_compare(tiny, root):
     """(each rank) The same training saved adapter-only and whole; both loaded back at MP=2: logits."""
     import glob
-    from sat_patches import evaluate, finetune
+    from sat_patches.cogvlm import evaluation, standalone
     from sat_patches.cogvlm import create_dataset_function, data_collator, llama2_tokenizer
     runs = {}
     for name, value in (("adapter", "1"), ("full", "0")):
         os.environ["SAT_PATCHES_SAVE_ADAPTER_ONLY"] = value
-        assert finetune.train(_argv(tiny, os.path.join(root, name))) == 0
+        assert standalone.train(_argv(tiny, os.path.join(root, name))) == 0
         (runs[name],) = glob.glob(os.path.join(root, name, "finetune-*"))
     logits = {}
     for name, run in runs.items():
-        model, args = evaluate.load_for_generation(run, "cogvlm", mp=2)
+        model, args = evaluation.load_for_generation(run, "cogvlm", mp=2)
         args.max_length = 120
-        image, text, cross = finetune.processors(args, llama2_tokenizer(tiny.tokenizer_dir))
+        image, text, cross = standalone.processors(args, llama2_tokenizer(tiny.tokenizer_dir))
         batch = data_collator([create_dataset_function(image, text, cross, tiny.valid_jsonl, args)[0]])
         with torch.no_grad():
-            logits[name] = model(**finetune.model_inputs(batch))[0]
+            logits[name] = model(**standalone.model_inputs(batch))[0]
     return {"runs": runs, "same_logits": torch.equal(logits["adapter"], logits["full"])}
 
 
 def merge_both_and_refuse_another_base(tiny, runs, other_base):
     """(one rank) Both runs merged to MP=1; the adapter onto a base that differs."""
-    from sat_patches import evaluate, merge
+    from sat_patches.checkpoints import merge
+    from sat_patches.cogvlm import evaluation
     from sat_patches.checkpoints.adapter import AdapterError
     from sat_patches.checkpoints.files import find_checkpoint
     merged = {}
@@ -61,7 +62,7 @@ def merge_both_and_refuse_another_base(tiny, runs, other_base):
     with open(manifest, "w") as f:
         f.write(text.replace(os.path.abspath(tiny.model_dir), other_base))
     try:
-        evaluate.load_for_generation(runs["adapter"], "cogvlm", mp=1)
+        evaluation.load_for_generation(runs["adapter"], "cogvlm", mp=1)
         refused = None
     except AdapterError as exc:
         refused = str(exc)

@@ -37,7 +37,7 @@ def test_from_pretrained_at_mp1_refuses_and_trusting_runs_it(tmp_path, monkeypat
 
 
 def test_merge_refuses_before_writing_anything(tmp_path):
-    from sat_patches.merge import merge
+    from sat_patches.checkpoints.merge import merge
     marker = str(tmp_path / "ran")
     tiny_checkpoint(tmp_path / "ckpt", marker)
     with pytest.raises(safe_load.UnsafeCheckpointError) as exc:

@@ -26,7 +26,10 @@ print("LOADED " + " ".join(m for m in ("torch", "sat", "deepspeed", "transformer
     (["sat_patches", "plan", "--model", "cogvlm-base-490", "--gpus", "2", "--gpu-mem", "24", "--json"], None),
     (["sat_patches", "report", "no-such-run"], "no memory_ledger.csv in no-such-run"),
     (["sat_patches.tools.finetune_check"], "MP_SIZE=3 does not divide"),
-], ids=["plan", "report", "finetune_check"])
+    (["sat_patches", "merge"], "usage: sat-patches merge"),
+    (["sat_patches", "evaluate", "ckpt"], "the following arguments are required: data, --local_tokenizer"),
+    (["sat_patches", "finetune", "verify"], "usage: sat-patches finetune verify"),
+], ids=["plan", "report", "finetune_check", "merge", "evaluate", "finetune"])
 def test_tool_imports_neither_torch_nor_sat(argv, says, tmp_path):
     env = dict(os.environ, NUM_GPUS_PER_WORKER="2", MP_SIZE="3", CUDA_VISIBLE_DEVICES="0,1",
                PYTHONPATH=SOURCE)

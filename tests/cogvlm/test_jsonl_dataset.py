@@ -57,11 +57,11 @@ def test_a_record_longer_than_max_length_is_named_and_refused_or_skipped(tiny, m
 
 
 def train_recording(argv, build_must_not_happen=False):
-    """``finetune.train(argv)`` on this rank: its losses and whether the model was built."""
+    """``standalone.train(argv)`` on this rank: its losses and whether the model was built."""
     import math
-    from sat_patches import finetune
+    from sat_patches.cogvlm import standalone
     from sat_patches.cogvlm import models
-    built, losses, step = [], [], finetune.forward_step
+    built, losses, step = [], [], standalone.forward_step
     original_init = models.FineTuneTrainCogVLMModel.__init__
 
     def init(self, *a, **kw):
@@ -73,14 +73,14 @@ def train_recording(argv, build_must_not_happen=False):
         losses.append(float(loss))
         return loss, metrics
 
-    models.FineTuneTrainCogVLMModel.__init__, finetune.forward_step = init, forward_step
+    models.FineTuneTrainCogVLMModel.__init__, standalone.forward_step = init, forward_step
     try:
-        finetune.train(argv)
+        standalone.train(argv)
         error = None
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        models.FineTuneTrainCogVLMModel.__init__, finetune.forward_step = original_init, step
+        models.FineTuneTrainCogVLMModel.__init__, standalone.forward_step = original_init, step
     return {"built": bool(built), "losses": losses, "finite": all(math.isfinite(x) for x in losses), "error": error}
 
 

@@ -56,7 +56,8 @@ def merge_and_compare(root, out):
     """One process: merge() errors, main()'s messages, then a real merge whose logits are returned."""
     import io
     import contextlib
-    from sat_patches import merge
+    from sat_patches.checkpoints import merge
+    from sat_patches.cli import merge as merge_cli
     from sat_patches.checkpoints.files import CheckpointError
     got = {}
     os.makedirs(out)
@@ -68,7 +69,7 @@ def merge_and_compare(root, out):
         merge.merge(root + "-missing", out + "-new")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        got["status"] = merge.main([root, out])
+        got["status"] = merge_cli.main([root, out])
     got["message"] = err.getvalue()
     got["kept"] = sorted(os.listdir(out))
     got["info"] = merge.merge(root, out, overwrite=True)

@@ -73,7 +73,7 @@ def test_a_size_the_model_cannot_split_into_stops_every_rank_with_the_reason(tmp
 def test_merge_with_import_of_a_class_that_adds_lora_itself_gives_the_trained_logits(mp2_run, tmp_path):
     from sat.model.official.chatglm2_model import ChatGLM2Model
 
-    from sat_patches import merge
+    from sat_patches.cli import merge
     results, save = mp2_run
     trained = torch.tensor(_ok(results)[0]["logits"])
     run = os.path.join(save, os.listdir(save)[0])
@@ -137,7 +137,7 @@ def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
 
     from sat.model.base_model import get_model
 
-    from sat_patches import evaluate
+    from sat_patches.cogvlm import evaluation
     from sat_patches.cogvlm.saving import save_pretrained_dir
     from sat_patches.cogvlm.tiny import tiny_args
     args = tiny_args("cogvlm", lora_rank=4, seed=1234)
@@ -153,7 +153,7 @@ def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
         config = json.load(f)
     with open(config_path, "w") as f:  # a LoRA run's config, as the fork's training saves it
         json.dump(dict(config, use_lora=True, lora_rank=4), f)
-    loaded, _ = evaluate.load_for_generation(run, "cogvlm", 1, imports=("other_sat_scripts",))
+    loaded, _ = evaluation.load_for_generation(run, "cogvlm", 1, imports=("other_sat_scripts",))
     assert type(loaded).__name__ == "LoraCogVLM"
     want, got = model.state_dict(), loaded.state_dict()
     assert set(got) == set(want) and any("matrix_B" in k for k in got)

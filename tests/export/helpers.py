@@ -4,6 +4,7 @@ import os
 import torch
 
 from sat_patches.checkpoints import adapter, files, safe_load, writer
+from sat_patches.checkpoints.lora_names import is_adapter
 
 KINDS = ("cogvlm", "cogagent")
 
@@ -39,20 +40,20 @@ def save(directory, state, config, mp_states=None):
 
 def save_adapter_only(directory, state, config, base_dir):
     """An adapter-only save (LoRA matrices only, adapter.json naming ``base_dir``), as a LoRA run writes it."""
-    save(directory, {k: v for k, v in state.items() if adapter.is_adapter(k)}, config)
+    save(directory, {k: v for k, v in state.items() if is_adapter(k)}, config)
     adapter.write_manifest(os.path.join(directory, "1"), adapter.fingerprint(files.find_checkpoint(base_dir)))
     return directory
 
 
 def base_state(state):
     """A LoRA model's base weights under plain names (the checkpoint it was started from)."""
-    return {k.replace(".original.", "."): v for k, v in state.items() if not adapter.is_adapter(k)}
+    return {k.replace(".original.", "."): v for k, v in state.items() if not is_adapter(k)}
 
 
 def folded(model):
     """SAT's merge of every LoRA layer of ``model`` (the patched ``merge_linear_lora``: what
     ``python -m sat_patches.merge`` writes), as a state dict."""
-    from sat_patches.merge import fold_lora
+    from sat_patches.checkpoints.merge import fold_lora
     from sat_patches.lora.layer import is_lora_layer
     fold_lora(model, [n for n, m in model.named_modules() if is_lora_layer(m)])
     return model.state_dict()

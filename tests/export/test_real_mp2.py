@@ -43,7 +43,7 @@ def save_mp2(root, kind):
 def export_import_and_merge(root):
     import torch
 
-    from sat_patches import merge
+    from sat_patches.checkpoints import merge
     from sat_patches.checkpoints import files, safe_load
     from sat_patches.export.hf import export_hf
     from sat_patches.export.importer import import_hf

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
+from sat_patches.core.kinds import KINDS
 from sat_patches.patches import trainable as trainable_patches
 from sat_patches.runtime import trainable
 
@@ -49,11 +49,11 @@ def test_patch_is_on_sats_setup():
 
 
 def test_standalone_demo_rule_is_upstreams():
-    cogvlm = DEMO_TRAINABLE["cogvlm"]
+    cogvlm = KINDS["cogvlm"].demo_trains
     mlp = "mixins.eva.vit_model.transformer.layers.{}.mlp.dense_h_to_4h.weight"
     assert [cogvlm(mlp.format(i)) for i in (45, 46, 54, 55)] == [False, True, True, False]
     assert not cogvlm("transformer.layers.50.mlp.dense_h_to_4h.weight")  # the language model's MLP stays frozen
-    cogagent = DEMO_TRAINABLE["cogagent"]
+    cogagent = KINDS["cogagent"].demo_trains
     assert cogagent("mixins.encoder.transformer.layers.0.attention.dense.weight")
     assert not cogagent("transformer.layers.3.mlp.dense_h_to_4h.weight")  # the language MLP stays frozen
     assert cogagent("mixins.mlp.vision_dense_h_to_4h_list.3.weight")

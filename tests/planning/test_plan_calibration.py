@@ -80,9 +80,9 @@ def test_a_layer_term_is_the_measured_layer_at_full_size(name, kind, train, mp, 
     adapters (and, for ``demo``, what upstream's CogAgent demo trains besides): the plan's step in its
     activation term equals what the real model keeps, within 15%. CogAgent's language layer includes its cross
     attention to the 6400 encoder tokens; its encoder is not checkpointed."""
-    from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
+    from sat_patches.core.kinds import KINDS
     config = upstream_config(name)
-    trains = DEMO_TRAINABLE["cogagent"] if train == "demo" else (lambda n: False)
+    trains = KINDS["cogagent"].demo_trains if train == "demo" else (lambda n: False)
     measured = layer_bytes(config, kind, mp, checkpoint=checkpoint, trains=trains)
     planned = planned_layer_bytes(config, kind, mp, checkpoint=checkpoint, train=train)
     assert abs(planned / measured - 1) < 0.15, (planned, measured)

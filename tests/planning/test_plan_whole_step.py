@@ -5,7 +5,7 @@ layers are tested one by one in ``test_plan_calibration.py``)."""
 import pytest
 
 from sat_patches.cogvlm.shapes import upstream_config
-from sat_patches.cogvlm.trainer import DEMO_TRAINABLE
+from sat_patches.core.kinds import KINDS
 from layer_bytes import planned_activations, released_layers, step_peak
 
 pytestmark = pytest.mark.slow
@@ -17,7 +17,7 @@ def test_the_plans_activations_cover_a_whole_step_by_at_most_30_percent(name, ki
     step's peak, never less."""
     config = upstream_config(name)
     layers = released_layers(config)
-    trains = DEMO_TRAINABLE[kind] if train == "demo" else (lambda n: False)
+    trains = KINDS[kind].demo_trains if train == "demo" else (lambda n: False)
     measured = step_peak(config, 1, layers=layers, checkpoint=True, trains=trains)
     planned = sum(planned_activations(config, 1, layers=layers, checkpoint=True, train=train).values())
     assert measured <= planned <= 1.3 * measured, (planned, measured)

@@ -53,9 +53,9 @@ def test_fake_checkout_has_upstreams_layout(tmp_path):
 
 def test_tiny_config_has_the_released_keys_and_upstreams_eva_width():
     from sat_patches.cogvlm import UPSTREAM_CONFIGS
-    from sat_patches.runner.checkout_cpu import tiny_config
+    from sat_patches.cogvlm.config import tiny_config
     for kind, released in (("cogvlm", "cogvlm-base-490"), ("cogagent", "cogagent-chat")):
-        config = tiny_config(kind)
+        config = tiny_config(kind, upstream_classes=True)
         assert list(config) == list(UPSTREAM_CONFIGS[released])
         assert list(config["eva_args"]) == list(UPSTREAM_CONFIGS[released]["eva_args"])
         assert config["eva_args"]["hidden_size"] == 1792 and config["eva_args"]["num_layers"] <= 2
@@ -77,7 +77,7 @@ assert experts and all(0.01 < float(state[k].std()) < 0.03 for k in experts), ex
 assert all(torch.isfinite(v).all() for v in state.values())
 print("OK", len(state))
 # the synthetic checkout refuses an EVA width its image projector cannot take, as upstream's would fail
-build_tiny_checkpoint.__globals__["tiny_config"] = lambda k, f=tiny_config: {{**f(k), "eva_args": {{**f(k)["eva_args"], "hidden_size": 64}}}}
+build_tiny_checkpoint.__globals__["tiny_config"] = lambda k, upstream_classes, f=tiny_config: {{**f(k, True), "eva_args": {{**f(k, True)["eva_args"], "hidden_size": 64}}}}
 try:
     build_tiny_checkpoint({checkout!r}, "cogvlm", {str(tmp_path / 'narrow')!r})
 except BaseException as exc:  # noqa: B036 (a SystemExit with the message counts as refused)

@@ -5,23 +5,23 @@ import os
 
 import pytest
 
-from sat_patches import evaluate
+from sat_patches.cogvlm import evaluation
 from sat_patches.testing import run_ranks
 
 
 def test_scores():
-    assert evaluate.char_score("ab12", "ab12") == 1.0
-    assert evaluate.char_score("ab1", "ab12") == 0.75       # over the longer of the two
-    assert evaluate.char_score("xb12zz", "ab12") == 0.5
-    assert evaluate.char_score("", "") == 1.0 and evaluate.char_score("", "ab") == 0.0
+    assert evaluation.char_score("ab12", "ab12") == 1.0
+    assert evaluation.char_score("ab1", "ab12") == 0.75       # over the longer of the two
+    assert evaluation.char_score("xb12zz", "ab12") == 0.5
+    assert evaluation.char_score("", "") == 1.0 and evaluation.char_score("", "ab") == 0.0
     rows = [{"prediction": "ab12", "answer": "ab12", "exact": True},
             {"prediction": "ab13", "answer": "ab12", "exact": False}]
-    assert evaluate.summarise(rows) == {"samples": 2, "exact_match": 1, "accuracy": 0.5, "char_accuracy": 0.875}
+    assert evaluation.summarise(rows) == {"samples": 2, "exact_match": 1, "accuracy": 0.5, "char_accuracy": 0.875}
 
 
 def test_bad_input_is_refused_before_anything_is_loaded(tmp_path):
     (tmp_path / "empty").mkdir()
-    problems = evaluate.check_inputs(str(tmp_path / "nowhere"), str(tmp_path / "empty"), mp=2, world=3)
+    problems = evaluation.check_inputs(str(tmp_path / "nowhere"), str(tmp_path / "empty"), mp=2, world=3)
     assert len(problems) == 3
     assert "checkpoint directory" in problems[0] and "does not exist" in problems[0]
     assert "holds no readable .jpg image" in problems[1]
@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 
 def _evaluated(tiny, out, ranks, mp):
-    results = run_ranks("sat_patches.evaluate:evaluate", ranks, timeout=300,
+    results = run_ranks("sat_patches.cogvlm.evaluation:evaluate", ranks, timeout=300,
                         args=(tiny.model_dir, tiny.valid_jsonl, tiny.tokenizer_dir, mp, out),
                         kwargs={"max_length": 80, "max_new_tokens": 4}, env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
     for r in results:

@@ -7,9 +7,9 @@ from sat_patches.runner import finetune_run
 
 
 def train_and_inspect(argv):
-    """Run ``finetune.train(argv)`` and describe the model it trained."""
+    """Run ``standalone.train(argv)`` and describe the model it trained."""
     import sat.training.deepspeed_training as dt
-    from sat_patches import finetune
+    from sat_patches.cogvlm import standalone
     trained = {}
     original = dt.training_main
 
@@ -19,7 +19,7 @@ def train_and_inspect(argv):
 
     dt.training_main = training_main
     try:
-        assert finetune.train(argv) == 0
+        assert standalone.train(argv) == 0
     finally:
         dt.training_main = original
     module = getattr(trained["model"], "module", trained["model"])

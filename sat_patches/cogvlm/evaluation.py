@@ -1,0 +1,185 @@
+"""Evaluation by generation: every sample of a data set answered by a saved model, scored, written out
+(``sat-patches evaluate`` / ``python -m sat_patches.evaluate`` on the command line, :mod:`sat_patches.cli.evaluate`).
+
+SAT's evaluation is the loss on ``--eval-iters`` batches, and upstream's generation metric sees a handful
+of samples (THUDM/CogVLM#510 "loss 0, PPL 1, acc 0.05", THUDM/CogVLM#552 "only 24 images evaluated"). Here
+the checkpoint (any model-parallel size, loaded at ``--mp``) answers every sample of ``DATA`` (a JSONL
+file or a ``<label>.jpg`` folder, as training reads it) by greedy decoding after the sample's prompt. The
+data-parallel ranks (world size / ``--mp``) take every sample exactly once between them; the model-parallel
+ranks of a group decode together. Rank 0 writes ``predictions.jsonl`` (one line per sample: id, image,
+prompt, reference answer, prediction, exact) and ``summary.json`` into ``--out`` and prints one line:
+exact match, accuracy, and a per-character score (the share of positions where prediction and answer
+agree, over the longer of the two: partial credit for CAPTCHA-like answers).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from sat import mpu
+
+from ..checkpoints import adapter
+from ..checkpoints.files import CheckpointError, find_checkpoint, read_model_config
+from ..checkpoints.loading import load_checkpoint
+from ..checkpoints.merge import model_class
+from ..checkpoints.writer import write_text_atomic
+from ..data.jsonl import DataError, check_data_path, write_jsonl
+from ..lora.layer import has_lora
+from . import create_dataset_function, data_collator, llama2_tokenizer, model_class_for
+from .trainer import add_lora, model_inputs, processors
+
+
+def char_score(prediction: str, answer: str) -> float:
+    """Share of positions where ``prediction`` and ``answer`` hold the same character, over the longer one."""
+    longest = max(len(prediction), len(answer))
+    return 1.0 if longest == 0 else sum(p == a for p, a in zip(prediction, answer)) / longest
+
+
+def summarise(rows: List[Dict]) -> Dict:
+    n = len(rows)
+    exact = sum(row["exact"] for row in rows)
+    return {"samples": n, "exact_match": exact, "accuracy": exact / n if n else 0.0,
+            "char_accuracy": sum(char_score(r["prediction"], r["answer"]) for r in rows) / n if n else 0.0}
+
+
+def read_summary(out: str) -> Dict:
+    """The ``summary.json`` an evaluation wrote into ``out``."""
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+def summary_line(summary: Dict, data: str, label: str = "evaluation") -> str:
+    return (f"{label}: exact match {summary['exact_match']}/{summary['samples']} ({summary['accuracy']:.1%}), "
+            f"characters {summary['char_accuracy']:.1%} on {data}")
+
+
+def greedy_answer(model, batch, tokenizer, steps: int = 8) -> str:
+    """Greedy decoding after the batch's prompt (its first ``context_length`` tokens), without a cache."""
+    with torch.no_grad():
+        return tokenizer.decode(_greedy_tokens(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps))
+
+
+def _greedy_tokens(model, batch, inputs, eos: int, steps: int) -> List[int]:
+    context = int(batch["context_length"][0])
+    ids = batch["input_ids"][:, :context].clone()
+    out = []
+    for _ in range(steps):
+        n = ids.shape[1]
+        step_inputs = {k: (v[:, :n] if k in ("vision_expert_mask", "image_embed_mask", "image_rope_mask",
+                                              "position_ids") else v) for k, v in inputs.items()}
+        step_inputs["attention_mask"] = inputs["attention_mask"][..., :n, :n]
+        step_inputs["input_ids"] = ids
+        token = int(model(**step_inputs)[0][0, -1].argmax())
+        if token == eos:
+            break
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+        last = inputs["position_ids"][:, n - 1:n] + 1
+        inputs["position_ids"] = torch.cat([inputs["position_ids"][:, :n], last], dim=1)
+        for key in ("vision_expert_mask", "image_embed_mask", "image_rope_mask"):
+            inputs[key] = torch.cat([inputs[key][:, :n], torch.zeros_like(inputs[key][:, :1])], dim=1)
+        inputs["attention_mask"] = torch.ones(1, 1, n + 1, n + 1, device=ids.device).tril()
+    return out
+
+
+def check_inputs(ckpt: str, data: str, mp: int, world: int) -> List[str]:
+    """What stops the evaluation before anything is loaded."""
+    problems = []
+    try:
+        find_checkpoint(ckpt)
+    except CheckpointError as exc:
+        problems.append(str(exc))
+    problems += check_data_path(data)
+    if mp < 1 or world % mp:
+        problems.append(f"--mp {mp} does not divide the {world} rank(s): run on a multiple of {mp} ranks "
+                        f"(torchrun --nproc-per-node) or choose --mp from {[d for d in range(1, world + 1) if world % d == 0]}")
+    return problems
+
+
+def load_for_generation(ckpt: str, kind: str, mp: int, imports=()):
+    """The checkpoint's model at MP=``mp``, in eval mode. A LoRA run's checkpoint (``use_lora``/``use_qlora``
+    in its config) gets the LoRA layers its training added before its weights are loaded, unless its model
+    class adds them itself; an adapter-only save is loaded onto its base (named in its ``adapter.json``).
+    With ``imports`` (modules that register it) the class is the checkpoint's own ``model_class``."""
+    run = find_checkpoint(ckpt)
+    manifest = adapter.read_manifest(os.path.dirname(run.files[0]))
+    cls = model_class(read_model_config(ckpt)["model_class"], imports) if imports else model_class_for(kind)
+    size = {"model_parallel_size": mp}
+    if manifest is None:
+        model, args = cls.from_pretrained(ckpt, None, build_only=True, overwrite_args=size)
+    else:
+        base = adapter.base_checkpoint(manifest, ckpt)
+        model, args = cls.from_pretrained(base.path, None, overwrite_args=size,
+                                          specific_iteration=None if base.release else base.iteration)
+        config = read_model_config(ckpt)
+        for key in ("use_lora", "use_qlora", "lora_rank", "layer_range"):
+            setattr(args, key, config.get(key, getattr(args, key, None)))
+    if (getattr(args, "use_lora", False) or getattr(args, "use_qlora", False)) and not has_lora(model):
+        add_lora(model, args)
+    args.mode = "inference"
+    load_checkpoint(model, args, load_path=ckpt)
+    model.eval()
+    return model, args
+
+
+def evaluate(ckpt: str, data: str, tokenizer_dir: str, mp: int = 1, out: str = "evaluation", version: str = "base",
+             max_length: int = 2048, max_new_tokens: int = 16, imports=()) -> Dict:
+    """(every rank) Load ``ckpt`` at MP=``mp`` and answer every sample of ``data``; rank 0 writes and returns
+    the summary."""
+    problems = check_inputs(ckpt, data, mp, int(os.environ.get("WORLD_SIZE", "1")))
+    if problems:
+        raise DataError("\n".join(problems))
+    config = read_model_config(ckpt, need_class=True)
+    model, args = load_for_generation(ckpt, "cogagent" if "Agent" in config["model_class"] else "cogvlm", mp,
+                                      imports)
+    args.max_length = max_length
+    summary = answer_every_sample(model, args, data, tokenizer_dir, out, version, max_new_tokens)
+    if summary:
+        summary["checkpoint"] = os.path.abspath(ckpt)
+    return summary
+
+
+def answer_every_sample(model, args, data: str, tokenizer_dir: str, out: str, version: str = "base",
+                        max_new_tokens: int = 16, label: str = "evaluation") -> Dict:
+    """(every rank) ``model`` (built and loaded at the job's model-parallel size) answers every sample of
+    ``data``, each data-parallel group its share; rank 0 writes ``predictions.jsonl`` and ``summary.json``
+    into ``out``, prints the summary line (starting with ``label``) and returns the summary (the other
+    ranks: ``{}``)."""
+    module = getattr(model, "module", model)
+    was_training = module.training
+    module.eval()
+    tokenizer = llama2_tokenizer(tokenizer_dir, signal_type=version)
+    image, text, cross = processors(args, tokenizer)
+    dataset = create_dataset_function(image, text, cross, data, args)
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    device = next(module.parameters()).device
+    mine = []
+    for index in range(dp_rank, len(dataset), dp_size):
+        item = dataset[index]
+        row = {"index": index, "id": item.get("question_id", str(index)), "answer": dataset.answer_of(index),
+               "prompt": dataset.prompt_text(index), "image": dataset.image_of(index), "prediction": None}
+        if item:
+            batch = data_collator([item], cross_image_processor=cross)
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            row["prediction"] = greedy_answer(module, batch, tokenizer, max_new_tokens).strip()
+        mine.append(row)
+    module.train(was_training)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return {}
+    rows = sorted({r["index"]: r for part in everyone for r in part}.values(), key=lambda r: r["index"])
+    for row in rows:
+        row["prediction"] = row["prediction"] or ""
+        row["exact"] = row["prediction"] == row["answer"].strip()
+    summary = {**summarise(rows), "data": os.path.abspath(data), "mp": mpu.get_model_parallel_world_size(),
+               "data_parallel": dp_size}
+    os.makedirs(out, exist_ok=True)
+    write_jsonl(os.path.join(out, "predictions.jsonl"), [{k: r[k] for k in ("id", "image", "prompt", "answer",
+                                                                            "prediction", "exact")} for r in rows])
+    write_text_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
+    print(summary_line(summary, data, label) + f" (predictions: {os.path.join(out, 'predictions.jsonl')})", flush=True)
+    return summary
