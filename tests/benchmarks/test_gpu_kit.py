@@ -119,6 +119,7 @@ def tiny_parts_in_process(json_dir: str) -> list:
     return rows
 
 
+@pytest.mark.slow  # over 10 s; the slow tier also runs the whole --tiny proof
 def test_parts_c_and_b_pass_on_cpu_and_skip_what_needs_cuda(tmp_path):
     [r] = run_ranks(tiny_parts_in_process, 1, args=(str(tmp_path),), timeout=180,
                     env={"SAT_PATCHES_DEVICE": "cpu"})

@@ -1,8 +1,7 @@
 """``merge``, ``evaluate`` and ``finetune`` are ``sat-patches`` verbs, and ``python -m sat_patches.<verb>`` runs the
 same command."""
 import importlib
-import subprocess
-import sys
+import os
 
 import pytest
 
@@ -16,14 +15,11 @@ def test_the_python_m_alias_runs_the_verbs_command(verb):
     assert verb in [name for name, _ in cli.COMMANDS]                          # listed in sat-patches --help
 
 
-def test_merge_of_a_missing_checkpoint_says_so_through_either_entry(tmp_path, capsys):
+def test_merge_of_a_missing_checkpoint_says_so_and_writes_nothing(tmp_path, capsys):
     missing, out = str(tmp_path / "no-such-run"), str(tmp_path / "merged")
     assert cli.main(["merge", missing, out]) == 2
     said = capsys.readouterr().err
-    assert said.startswith("error: ") and "no-such-run" in said
-    alias = subprocess.run([sys.executable, "-m", "sat_patches.merge", missing, out], capture_output=True, text=True,
-                           timeout=120)
-    assert alias.returncode == 2 and said.strip() in alias.stderr, alias.stderr[-2000:]
+    assert said.startswith("error: ") and "no-such-run" in said and not os.path.exists(out)
 
 
 def test_finetune_without_a_subcommand_names_them(capsys):

@@ -34,8 +34,9 @@ def train_and_inspect(argv):
     }
 
 
+@pytest.mark.slow  # a QLoRA run end to end (over 10 s)
 @pytest.mark.multirank
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["one-rank", "data-parallel-2"])
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "data-parallel-2"])
 def test_use_qlora_trains_adapters_on_an_nf4_base(tmp_path, ranks):
     """QLoRA at MP=1, on one rank and on two data-parallel ranks (each its own NF4 base, ZeRO over the adapters)."""
     from sat_patches.cogvlm import prepare_tiny_run

@@ -55,6 +55,7 @@ def _cpu_estimate(config, ranks):
                                             lora_rank=4, lora_eva=False, checkpoint_activations=False, device="cpu"))
 
 
+@pytest.mark.slow  # the module's two-rank run in fresh processes
 def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
     run_dir, results = tiny_run
     rows = ledger_files.read(run_dir)
@@ -74,12 +75,14 @@ def test_training_main_writes_the_ledger_into_the_run_directory(tiny_run):
     assert "[sat_patches memory ledger]" not in results[1].stdout
 
 
+@pytest.mark.slow  # the module's two-rank run in fresh processes
 def test_report_draws_one_line_per_rank(tiny_run, tmp_path):
     from report_png import assert_report_has_one_line_per_rank
     run_dir, _ = tiny_run
     assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")
 
 
+@pytest.mark.slow  # the module's two-rank run in fresh processes
 def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
     run_dir, results = tiny_run
     config = _lora_llama(2, 64, 4, 1024)
@@ -195,6 +198,7 @@ class _nothing:
     def __exit__(self, *exc): return False
 
 
+@pytest.mark.slow  # every ledger patch, each on and off (over 10 s)
 def test_each_ledger_patch_records_its_phase_and_not_without_it(tmp_path):
     [r] = run_ranks(exercise_ledger_patches, 1, timeout=240, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)})
     assert r.ok, (r.exception or r.output)[-4000:]

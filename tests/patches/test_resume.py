@@ -185,6 +185,7 @@ def test_resumed_losses_equal_the_uninterrupted_run(runs):
     assert runs[0]["full"] == runs[1]["full"]                              # MP ranks see one loss
 
 
+@pytest.mark.slow  # the module's resumed runs (about 40 s alone)
 def test_resume_from_a_chosen_saved_iteration_continues_exactly(runs):
     """Iterations 2, 4, 6 and 8 saved ('latest' names 8): ``--iteration 4`` resumes from 4 and gives the
     uninterrupted run's last four losses; an iteration that was not saved is refused with the saved ones;
@@ -196,12 +197,14 @@ def test_resume_from_a_chosen_saved_iteration_continues_exactly(runs):
         assert rank["from_4_stock"] == "exit 2"
 
 
+@pytest.mark.slow  # the module's resumed runs (about 40 s alone)
 def test_every_rank_saves_its_zero_optimizer_shard(runs):
     files = runs[0]["files"]
     assert [f for f in files if f.endswith("optim_states.pt")] == [
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"], files
 
 
+@pytest.mark.slow  # the module's resumed runs (about 40 s alone)
 @pytest.mark.parametrize("variant", ["stock"] + RESUME_LOAD_SIDE + RESUME_SAVE_SIDE)
 def test_without_each_patch_the_resumed_losses_differ(runs, variant):
     """Stock SAT's resume, and each patch of sat_patches.patches.resume removed: the losses leave the

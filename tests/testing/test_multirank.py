@@ -52,6 +52,7 @@ def fail():
     raise ValueError("rank function failed on purpose")
 
 
+@pytest.mark.slow  # several launches (over 10 s)
 def test_forked_ranks_have_their_own_output_environment_and_session():
     results = run_ranks(report, 2, args=("hi",), timeout=120, env={"SATP_PROBE": "probe-value"})
     assert [r.forked for r in results] == [True, True], [r.fresh_reason for r in results]
