@@ -12,22 +12,12 @@ from __future__ import annotations
 import functools
 
 from ..core.registry import Patch, expect_names
-from ..runtime.trainable import adapters_only, setting
+from ..runtime.trainable import setup_with_trainable_setting
 
 
 def _setup(original):
-    @functools.wraps(original)
-    def setup_model_untrainable_params_and_optimizer(args, model, config_params=None):
-        if setting() == "lora":
-            scripts_choice = getattr(model, "disable_untrainable_params", None)
-
-            def disable_untrainable_params():
-                if scripts_choice is not None:
-                    scripts_choice()
-                adapters_only(model)
-            model.disable_untrainable_params = disable_untrainable_params  # what SAT calls next
-        return original(args, model, config_params)
-    return setup_model_untrainable_params_and_optimizer
+    """SAT asks the model what trains; CogVLM's demos leave more than the adapters on."""
+    return functools.wraps(original)(functools.partial(setup_with_trainable_setting, original))
 
 
 PATCHES = [
