@@ -17,7 +17,10 @@ from ..core.registry import Patch, expect_names
 
 def _save_ds_checkpoint_no_optim(original):
     """sat/training/model_io.py save_ds_checkpoint_no_optim: every save holds the whole model."""
-    return functools.wraps(original)(functools.partial(save_adapter_only, original))
+    @functools.wraps(original)
+    def save_ds_checkpoint_no_optim(*args, **kwargs):
+        return save_adapter_only(original, *args, **kwargs)
+    return save_ds_checkpoint_no_optim
 
 
 PATCHES = [

@@ -35,7 +35,10 @@ from ..core.registry import Patch, expect_names
 
 def _save_checkpoint(original):
     """SAT's save_checkpoint writes shards and ``latest`` in place (THUDM/CogVLM#283, THUDM/CogVLM#320)."""
-    return functools.wraps(original)(functools.partial(save_checkpoint_staged, original))
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        return save_checkpoint_staged(original, *args, **kwargs)
+    return save_checkpoint
 
 
 PATCHES = [

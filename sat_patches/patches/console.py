@@ -26,7 +26,10 @@ from ..diagnostics.console import log_timers_to_file, print_args_to_file
 
 def _print_args(original):
     """SAT's print_args: ~120 argument lines on the console."""
-    return functools.wraps(original)(functools.partial(print_args_to_file, original))
+    @functools.wraps(original)
+    def print_args(*args, **kwargs):
+        return print_args_to_file(original, *args, **kwargs)
+    return print_args
 
 
 def _timers_log(original):

@@ -10,7 +10,10 @@ from ..runtime.deepspeed_config import initialize_distributed_linted
 
 def _lint_before_deepspeed(original):
     """SAT hands ``args.deepspeed_config`` to DeepSpeed first in ``initialize_distributed``."""
-    return functools.wraps(original)(functools.partial(initialize_distributed_linted, original))
+    @functools.wraps(original)
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_linted(original, *args, **kwargs)
+    return initialize_distributed
 
 
 def _build_shm_op(original):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from ..checkpoints.saving import save_ds_checkpoint
+from ..checkpoints import saving
 from ..core.registry import Patch, expect_names
-from ..runtime.collectives import broadcast_data
+from ..runtime import collectives
 from ..runtime.devices import start_timer, stop_timer
 
 
@@ -29,12 +29,18 @@ def _timer_method(original):
 
 def _broadcast_data(original):
     """``mpu.broadcast_data`` packs on ``torch.cuda.current_device()`` (sat/mpu/data.py)."""
-    return functools.wraps(original)(functools.partial(broadcast_data))
+    @functools.wraps(original)
+    def broadcast_data(*args, **kwargs):
+        return collectives.broadcast_data(*args, **kwargs)
+    return broadcast_data
 
 
 def _save_ds_checkpoint(original):
     """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save."""
-    return functools.wraps(original)(functools.partial(save_ds_checkpoint))
+    @functools.wraps(original)
+    def save_ds_checkpoint(*args, **kwargs):
+        return saving.save_ds_checkpoint(*args, **kwargs)
+    return save_ds_checkpoint
 
 
 PATCHES = [

@@ -16,18 +16,27 @@ from ..runtime.distributed import (explained_collectives, get_args_on_cpu, initi
 def _initialize_distributed(original):
     """sat/arguments.py initialize_distributed: the group is created NCCL-only (THUDM/CogVLM#328,
     THUDM/SwissArmyTransformer#173)."""
-    return functools.wraps(original)(functools.partial(initialize_distributed_with_backend, original))
+    @functools.wraps(original)
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_with_backend(original, *args, **kwargs)
+    return initialize_distributed
 
 
 def _destroy_at_exit(original):
     """sat/arguments.py initialize_distributed: SAT creates the process group and never destroys it
     (pytorch/pytorch#190489)."""
-    return functools.wraps(original)(functools.partial(initialize_distributed_destroyed_at_exit, original))
+    @functools.wraps(original)
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_destroyed_at_exit(original, *args, **kwargs)
+    return initialize_distributed
 
 
 def _get_args(original):
     """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU."""
-    return functools.wraps(original)(functools.partial(get_args_on_cpu, original))
+    @functools.wraps(original)
+    def get_args(*args, **kwargs):
+        return get_args_on_cpu(original, *args, **kwargs)
+    return get_args
 
 
 def _training_main(original):

@@ -50,13 +50,19 @@ def _lora_mixin_init(original):
 
 def _get_args(original):
     """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix."""
-    return functools.wraps(original)(functools.partial(get_args_naming_bad_json, original))
+    @functools.wraps(original)
+    def get_args(*args, **kwargs):
+        return get_args_naming_bad_json(original, *args, **kwargs)
+    return get_args
 
 
 def _training_main(original):
     """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
     (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
-    return functools.wraps(original)(functools.partial(training_main_with_heartbeat, original))
+    @functools.wraps(original)
+    def training_main(*args, **kwargs):
+        return training_main_with_heartbeat(original, *args, **kwargs)
+    return training_main
 
 
 PATCHES = [

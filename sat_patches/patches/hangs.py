@@ -30,7 +30,10 @@ from ..diagnostics.watchdog import COLLECTIVES, start_watchdog, timed_collective
 
 def _timed_collective(original):
     """A blocking torch.distributed collective, timed by this rank's watchdog once it runs."""
-    return functools.wraps(original)(functools.partial(timed_collective, original))
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        return timed_collective(original, *args, **kwargs)
+    return collective
 
 
 def _initialize_distributed(original):

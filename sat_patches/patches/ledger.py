@@ -46,7 +46,10 @@ def _recording(phase: str, once: bool = False):
 
 def _train_step(original):
     """SAT's train_step: record the first step and every step that ends a log interval."""
-    return functools.wraps(original)(functools.partial(train_step_recorded, original))
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        return train_step_recorded(original, *args, **kwargs)
+    return train_step
 
 
 def _answers(what):

@@ -34,7 +34,10 @@ from ..core.registry import Patch, expect_names, expect_params
 
 def _load_checkpoint(original):
     """SAT's load_checkpoint, mapped and rank-local; ZeRO-3 models keep SAT's own path."""
-    return functools.wraps(original)(functools.partial(load_checkpoint_unless_zero3, original))
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        return load_checkpoint_unless_zero3(original, *args, **kwargs)
+    return load_checkpoint
 
 
 def _from_pretrained(auto: bool):
@@ -65,7 +68,10 @@ def _expect_datetime_class(original):
 
 def _training_main(original):
     """SAT's training_main: experiment_name timestamps differ per rank (THUDM/CogVLM#269)."""
-    return functools.wraps(original)(functools.partial(training_main_with_shared_start, original))
+    @functools.wraps(original)
+    def training_main(*args, **kwargs):
+        return training_main_with_shared_start(original, *args, **kwargs)
+    return training_main
 
 
 def _expect_from_pretrained(original):

@@ -21,12 +21,18 @@ from ..diagnostics.progress import report_evaluate_metrics_float32, report_itera
 
 def _report_iteration_metrics(original):
     """SAT's report_iteration_metrics: a long line per log interval, no time left."""
-    return functools.wraps(original)(functools.partial(report_iteration_progress, original))
+    @functools.wraps(original)
+    def report_iteration_metrics(*args, **kwargs):
+        return report_iteration_progress(original, *args, **kwargs)
+    return report_iteration_metrics
 
 
 def _report_evaluate_metrics(original):
     """SAT's report_evaluate_metrics: bf16 metrics that TensorBoard's add_scalar refuses."""
-    return functools.wraps(original)(functools.partial(report_evaluate_metrics_float32, original))
+    @functools.wraps(original)
+    def report_evaluate_metrics(*args, **kwargs):
+        return report_evaluate_metrics_float32(original, *args, **kwargs)
+    return report_evaluate_metrics
 
 
 PATCHES = [

@@ -89,7 +89,10 @@ def _get_learning_rate_scheduler(original):
 
 def _train(original):
     """``training_main`` re-seeds every generator with ``--seed`` after loading the checkpoint's states."""
-    return functools.wraps(original)(functools.partial(train_restoring_rng, original))
+    @functools.wraps(original)
+    def train(*args, **kwargs):
+        return train_restoring_rng(original, *args, **kwargs)
+    return train
 
 
 def _make_data_loader(original):

@@ -17,7 +17,10 @@ from ..runtime.trainable import setup_with_trainable_setting
 
 def _setup(original):
     """SAT asks the model what trains; CogVLM's demos leave more than the adapters on."""
-    return functools.wraps(original)(functools.partial(setup_with_trainable_setting, original))
+    @functools.wraps(original)
+    def setup_model_untrainable_params_and_optimizer(*args, **kwargs):
+        return setup_with_trainable_setting(original, *args, **kwargs)
+    return setup_model_untrainable_params_and_optimizer
 
 
 PATCHES = [
