@@ -7,8 +7,8 @@ every partition (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#283, #320, #162); 
 caller's ``args`` and ``overwrite_args``; from an MP=N checkpoint to MP=N it raises
 "model_parallel_size is inconsistent" (THUDM/CogVLM#233).
 
-Here (this module: SAT's entry points and the patches; :mod:`sat_patches.checkpoints.state` loads a
-checkpoint's state into a model):
+Here (this module: the patches; :mod:`sat_patches.checkpoints.loading`: SAT's entry points;
+:mod:`sat_patches.checkpoints.state` loads a checkpoint's state into a model):
 
 * :mod:`sat_patches.checkpoints.files` checks the checkpoint directory and ``model_config.json``
   before the model is built; :mod:`sat_patches.checkpoints.sharding` reads each rank's own slices, in chunks,
