@@ -155,3 +155,56 @@ def test_a_module_imported_before_sat_leaves_every_patch_applied(module):
     out = run_before_sat(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NOT APPLIED [] " in out.stdout and "NOT APPLIED [] 0" not in out.stdout, out.stdout[-2000:]
+
+
+PATCH_MODULES = sorted(m for m in MODULES if m.startswith("sat_patches.patches"))
+MAX_ADAPTER_STATEMENTS = 8
+"""A patch module's functions are thin adapters: the statements of each (its nested wrappers' included,
+docstrings not) stay within this bound; what a patch does lives in the library function it calls."""
+
+
+def _statements(body) -> int:
+    """Statements in ``body``, counted recursively (nested functions and blocks included), docstrings not."""
+    count = 0
+    for node in body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        count += 1
+        for field in ("body", "orelse", "finalbody"):
+            count += _statements(getattr(node, field, []) or [])
+        for handler in getattr(node, "handlers", []) or []:
+            count += 1 + _statements(handler.body)
+        for case in getattr(node, "cases", []) or []:
+            count += _statements(case.body)
+    return count
+
+
+def _patch_module_offences(module: str):
+    """(line, what) for every function over the bound and every module-level statement that is not an import,
+    a function, an assignment (records, constants) or, in the package's ``__init__``, a call."""
+    path = MODULES[module]
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            count = _statements(node.body)
+            if count > MAX_ADAPTER_STATEMENTS:
+                yield node.lineno, f"function {node.name} has {count} statements"
+    allowed = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assign, ast.AnnAssign)
+    for node in tree.body[1 if ast.get_docstring(tree) else 0:]:
+        is_call = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+        if not isinstance(node, allowed) and not (is_call and path.endswith("__init__.py")):
+            yield node.lineno, f"module-level {type(node).__name__}"
+
+
+def test_patch_modules_hold_records_and_thin_adapters_only():
+    """A reader finds what a patch does by following its adapter's one call into a library module."""
+    offences = [f"{MODULES[m]}:{line}: {what}" for m in PATCH_MODULES for line, what in _patch_module_offences(m)]
+    assert offences == [], f"move these bodies into library modules (at most {MAX_ADAPTER_STATEMENTS} " \
+                           f"statements per adapter):\n" + "\n".join(offences)
+
+
+def test_the_adapter_check_counts_nested_statements():
+    tree = ast.parse("def make(original):\n    '''doc'''\n    def wrapper(x):\n        if x:\n"
+                     "            return 1\n        try:\n            pass\n        except ValueError:\n"
+                     "            raise\n    return wrapper\n")
+    assert _statements(tree.body[0].body) == 8  # def, if, return, try, pass, except, raise, return

@@ -8,24 +8,26 @@ import argparse
 import contextlib
 import copy
 import os
+import sys
 import warnings
 from typing import Optional
 
 import torch.distributed as dist
 from sat import mpu
 from sat.arguments import _simple_init, overwrite_args_by_dict, reset_random_seed, update_args_with_file
-from sat.helpers import print_rank0
+from sat.helpers import check_if_zero3, print_rank0
 from sat.model.base_model import get_model
 from sat.model.registry import model_registry
 from sat.resources import auto_create
+from sat.training import model_io
 
-from ..checkpoints import adapter
+from ..checkpoints import adapter, safe_load
 from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
 from ..checkpoints.lora_names import is_adapter
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device,
                                  meta_tensors, open_source, restore_rng,)
-from ..core.coordination import barrier, stage
+from ..core.coordination import barrier, group_store, stage, store_gather
 from ..core.registry import SatPatchesWarning
 from ..lora import qlora
 from ..runtime import construction, devices
@@ -273,3 +275,51 @@ class SharedStartClock:
 
     def __subclasscheck__(self, cls):
         return issubclass(cls, self.real)
+
+
+def load_checkpoint_unless_zero3(original, model, args, load_path=None, prefix="", specific_iteration=None):
+    """SAT's ``load_checkpoint`` (sat/training/model_io.py; ``original``) ``torch.load``s the whole checkpoint
+    into RAM on every rank (no mmap; THUDM/CogVLM#283, #320, #162) and loads MP=N checkpoints only at MP=N.
+    Here :func:`load_checkpoint`, mapped and rank-local; ZeRO-3 models keep SAT's own path (with safe loads)."""
+    if check_if_zero3(args):
+        with safe_load.module_loads_safely(model_io):
+            return original(model, args, load_path=load_path, prefix=prefix, specific_iteration=specific_iteration)
+    return load_checkpoint(model, args, load_path, prefix, specific_iteration)
+
+
+def from_pretrained_unless_zero3(original, auto: bool, cls, name, args=None, **kwargs):
+    """SAT's ``BaseModel.from_pretrained`` / ``AutoModel.from_pretrained`` (sat/model/base_model.py; ``original``
+    the function under the classmethod): at MP>1 node rank 0 builds the full model and sends partitions
+    (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#162), MP=N to MP=N raises "model_parallel_size is
+    inconsistent" (THUDM/CogVLM#233), and the caller's args are mutated. Here :func:`from_pretrained`,
+    rank-local at any MP size (``auto``: the model class comes from the checkpoint's config); under ZeRO-3
+    SAT's own (zero.Init places the weights)."""
+    if args is not None and check_if_zero3(args):
+        with safe_load.module_loads_safely(model_io):
+            return original(cls, name, args, **kwargs)
+    return from_pretrained(None if auto else cls, name, args, **kwargs)
+
+
+_runs = 0  # runs of training_main that shared rank 0's start time (names each exchange in the store)
+
+
+def training_main_with_shared_start(original, args, *a, **kw):
+    """SAT's ``training_main`` (sat/training/deepspeed_training.py; ``original``) names the run's
+    ``experiment_name`` after each rank's own clock: one MP run saves into two directories
+    (THUDM/CogVLM#269). A run that timestamps its name gets rank 0's start time on every rank, through the
+    :class:`SharedStartClock` standing in for the module's ``datetime``; every rank loads checkpoints
+    inside it (:func:`all_ranks_loading`)."""
+    global _runs
+    clock = getattr(sys.modules[original.__module__], "datetime", None)
+    timestamped = not (args.load and args.mode == "pretrain")
+    shared = isinstance(clock, SharedStartClock) and timestamped and group_store() is not None
+    if shared:
+        _runs += 1
+        start = clock.real.now().isoformat() if dist.get_rank() == 0 else ""
+        clock.share(clock.real.fromisoformat(store_gather(f"start/{_runs}", start)[0]))
+    try:
+        with all_ranks_loading():
+            return original(args, *a, **kw)
+    finally:
+        if shared:
+            clock.share(None)

@@ -172,3 +172,42 @@ def resumable(loader):
         loader.dataset, batch_sampler=ResumableBatchSampler(sampler.sampler, sampler.batch_size, sampler.drop_last),
         num_workers=loader.num_workers, pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None)
+
+
+class RestoreRngAfterIter:
+    """A data loader whose ``iter()`` is followed by ``restore()``. ``train`` creates the train and
+    validation iterators first, and each draws a seed from torch's generator (as it did at the start of
+    the stopped run): the saved states go back after the last of those draws."""
+
+    def __init__(self, loader, restore):
+        self._loader, self._restore = loader, restore
+
+    def __iter__(self):
+        iterator = iter(self._loader)
+        restore, self._restore = self._restore, lambda: None   # once: not at every later evaluation
+        restore()
+        return iterator
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def train_restoring_rng(original, model, optimizer, lr_scheduler, train_data, val_data, timers, args, *a, **kw):
+    """SAT's ``train`` (sat/training/deepspeed_training.py; ``original``) of a resumed run: ``load_checkpoint``
+    restored the random states, but ``training_main`` then re-seeds every generator with ``--seed`` right
+    before ``train`` (dropout replays the first steps' masks). They are restored again from the checkpoint
+    once ``train`` has created its data iterators (:class:`RestoreRngAfterIter`)."""
+    if resuming(args):
+        def restore():
+            restore_rng_states(args)
+            close_resumed_states()
+        if val_data is not None:
+            val_data = RestoreRngAfterIter(val_data, restore)
+        elif train_data is not None:
+            train_data = RestoreRngAfterIter(train_data, restore)
+        else:
+            restore()
+    return original(model, optimizer, lr_scheduler, train_data, val_data, timers, args, *a, **kw)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import os
 
+import torch.distributed as dist
+
 from .ledger import run_directory
 
 ARGUMENTS_TXT, STEP_TIMES_CSV = "arguments.txt", "step_times.csv"
@@ -36,3 +38,36 @@ def record_times(run_dir: str, iteration, times: dict) -> None:
 def note_iteration(args, step) -> None:
     """Called with each progress line: the iteration the next timer row belongs to."""
     CurrentRun.directory, CurrentRun.iteration = run_directory(args), step
+
+
+def rank0() -> bool:
+    """Rank 0 of the process group, or no process group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_args_to_file(original, args) -> None:
+    """SAT's ``print_args`` (sat/training/deepspeed_training.py; ``original``) prints ~120 argument lines at the
+    start of every run. With a run directory they go to ``arguments.txt`` there and rank 0's console gets one
+    line naming it; without one (or with ``--save-args``, SAT's own copy as asked) SAT prints them."""
+    run_dir = run_directory(args)
+    CurrentRun.directory, CurrentRun.iteration = run_dir, getattr(args, "iteration", 0)
+    if not run_dir or getattr(args, "save_args", False):  # --save-args: SAT's own copy, as asked
+        return original(args)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, ARGUMENTS_TXT)
+    write_arguments(args, path)
+    if rank0():
+        print(f"arguments: {len(vars(args))} settings in {path}", flush=True)
+
+
+def log_timers_to_file(original, timers, names, normalizer=1.0, reset=True):
+    """SAT's ``Timers.log`` (sat/training/utils.py; ``original``) prints a ``time (ms) | forward ...`` line per
+    log interval between the progress lines. With a run directory the values go to ``step_times.csv``
+    there instead (every rank reads and resets its timers, as SAT's does; rank 0 writes them down)."""
+    if not CurrentRun.directory:
+        return original(timers, names, normalizer, reset)
+    assert normalizer > 0.0
+    times = {name: timers.timers[name].elapsed(reset=reset) * 1000.0 / normalizer
+             for name in names if name in timers.timers}
+    if rank0():
+        record_times(CurrentRun.directory, CurrentRun.iteration, times)

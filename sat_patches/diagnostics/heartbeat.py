@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch.distributed as dist
 
 from ..core import fenced, settings
-from ..core.coordination import group_store
+from ..core.coordination import PEER_LOST, error_kinds, group_store
 from ..runtime.checks import BadInputError
 from . import watchdog as hangs
 
@@ -130,3 +130,29 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     _heartbeat.beat()
     _heartbeat.thread.start()
     return _heartbeat
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
+    a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
+    return PEER_LOST in error_kinds(exc)
+
+
+def training_main_with_heartbeat(original, args, *a, **kw):
+    """SAT's ``training_main`` (sat/training/deepspeed_training.py; ``original``), with this rank's heartbeat
+    running: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed (THUDM/CogVLM#283,
+    THUDM/CogVLM#320: kill -9, "training stops with no clear error"). A collective that fails with a lost peer
+    waits a few beats to name the dead rank; a normal end marks this rank done."""
+    heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
+    hb = fenced.HEARTBEAT.run(start_heartbeat)
+    try:
+        result = original(args, *a, **kw)
+    except Exception as exc:
+        if hb is not None and lost_peer(exc):
+            reason = hb.wait_for_dead()
+            if reason:
+                hb.fire(reason)
+        raise
+    if hb is not None:
+        hb.done()
+    return result

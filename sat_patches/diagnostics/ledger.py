@@ -104,3 +104,22 @@ LEDGER = Ledger()
 
 def run_directory(args=None) -> Optional[str]:
     return settings.read("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
+
+
+def train_step_recorded(original, data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw):
+    """SAT's ``train_step`` (sat/training/deepspeed_training.py; ``original``; stock SAT reports no per-rank
+    memory): :data:`LEDGER` records the first step and every step that ends a log interval; at those steps
+    (the same on every rank) the rows are gathered to rank 0, written and printed."""
+    result = original(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw)
+    if not enabled():
+        return result
+    LEDGER.steps += 1
+    iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
+    interval = max(1, getattr(args, "log_interval", 1) or 1)
+    if LEDGER.steps == 1:
+        fenced.LEDGER.run(LEDGER.record, "first_step", iteration)
+        LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
+    elif iteration % interval == 0:
+        fenced.LEDGER.run(LEDGER.record, "step", iteration)
+        LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
+    return result

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import csv
 import datetime
+import logging
 import os
+import warnings
 
+import torch
+import torch.distributed as dist
+
+from ..core import fenced
+from ..core.registry import SatPatchesWarning
+from . import console
 from .charts import draw_loss_curve
+from .ledger import run_directory
 
 CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"
 
@@ -38,3 +47,58 @@ def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: flo
         draw_loss_curve(run_dir)
     except RuntimeError:  # no matplotlib: the CSV is the curve
         pass
+
+
+class DropSatIterationLine(logging.Filter):
+    """Drops SAT's own per-interval iteration line (:data:`SAT_LINE`) from the ``sat`` logger."""
+
+    def filter(self, record):
+        return SAT_LINE not in record.getMessage()
+
+
+def print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics) -> None:
+    """Print :func:`progress_line` for this step (with the fp16 loss scale when there is one)."""
+    scale = (getattr(optimizer, "cur_scale", None) if args.deepspeed else getattr(optimizer, "loss_scale", None)) \
+        if args.fp16 else None
+    print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
+
+
+def record_curve(run_dir: str, step, loss, lr, elapsed_time) -> None:
+    """:func:`record_step`, a full or read-only disk only warned about (the next step tries again)."""
+    try:
+        record_step(run_dir, step, loss, lr, elapsed_time)
+    except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
+        warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
+
+
+def report_iteration_progress(original, summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args,
+                              avg_metrics) -> None:
+    """SAT's ``report_iteration_metrics`` (sat/training/deepspeed_training.py; ``original``) logs one long line
+    per log interval with no estimate of the time left. SAT's TensorBoard / wandb reporting runs without its
+    line; rank 0 prints :func:`progress_line` instead and appends the step to the run's loss curve. Both are
+    fenced (:mod:`sat_patches.core.fenced`): one that fails is reported once and turned off."""
+    sat_logger = logging.getLogger("sat")
+    quiet = DropSatIterationLine()
+    sat_logger.addFilter(quiet)
+    try:  # SAT's TensorBoard / wandb reporting, without its line
+        original(summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
+    finally:
+        sat_logger.removeFilter(quiet)
+    console.note_iteration(args, step)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    fenced.PROGRESS.run(print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
+    run_dir = run_directory(args)
+    if run_dir:
+        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time)
+
+
+def report_evaluate_metrics_float32(original, summary_writer, prefix, loss, ppl, step, args, avg_metrics):
+    """SAT's ``report_evaluate_metrics`` (sat/training/deepspeed_training.py; ``original``) with its metrics as
+    float32: a bf16 run's metrics (a script that returns its loss in the model's dtype, as SAT's ChatGLM2
+    example does) are bf16 tensors, which TensorBoard's ``add_scalar`` refuses ("Got unsupported ScalarType
+    BFloat16") at the run's first evaluation."""
+    if avg_metrics:
+        avg_metrics = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
+                       for k, v in avg_metrics.items()}
+    return original(summary_writer, prefix, loss, ppl, step, args, avg_metrics)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from ..core import settings
-from ..core.coordination import group_store
+from ..core.coordination import TIMED_OUT, error_kinds, group_store
 
 ENV = "SAT_PATCHES_COLLECTIVE_TIMEOUT"
 
@@ -222,3 +222,29 @@ def _post(message: str) -> bool:
     except Exception:  # noqa: BLE001  (store gone)
         pass
     return False
+
+
+def timed_collective(original, *args, **kwargs):
+    """A blocking ``torch.distributed`` collective (``original``), timed by this rank's watchdog once it runs:
+    stock SAT waits silently in a blocked collective (30 min with gloo). A collective that fails with the
+    process group's own timeout (same length, it can beat the watchdog) makes the same report (:func:`fire`)."""
+    name = original.__name__
+    watchdog = current_watchdog()
+    if watchdog is None or kwargs.get("async_op"):
+        return original(*args, **kwargs)
+    outermost = watchdog.enter(name)
+    try:
+        return original(*args, **kwargs)
+    except Exception as exc:
+        if watchdog.fired.locked():
+            # the watchdog is reporting a hang of this rank and exits the process with EXIT_CODE; a peer that
+            # already exited can fail this collective first ("Connection closed by peer"): wait for that exit
+            with watchdog.fired:
+                raise
+        if outermost and TIMED_OUT in error_kinds(exc):
+            # the process group's own timeout (same length) can beat the watchdog: same report
+            fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "
+                 f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True)
+        raise
+    finally:
+        watchdog.leave(outermost)

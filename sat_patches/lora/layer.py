@@ -23,6 +23,7 @@ import math
 from typing import List, Optional
 
 import torch
+from sat.helpers import print_rank0
 from sat.model.finetune import lora2
 from sat.mpu import mappings
 from sat.mpu.initialize import get_model_parallel_world_size
@@ -33,7 +34,7 @@ from ..checkpoints.lora_names import BASE, FACTORS
 from ..checkpoints.sharding import COLUMN, PLAIN, ROW, lora_factor_split, parallel_kind
 from ..core import settings
 from ..runtime import devices
-from .qlora import dequantize_nf4, nf4_linear, quantize_nf4
+from .qlora import dequantize_nf4, nf4_linear, qlora_base, quantize_linears_nf4, quantize_nf4
 
 CHUNK_BYTES = int(settings.read("SAT_PATCHES_LORA_CHUNK_MB") * 2**20)
 """Largest temporary (bytes) of a LoRA merge; ``SAT_PATCHES_LORA_CHUNK_MB`` sets it (default 64)."""
@@ -248,3 +249,22 @@ def is_lora_layer(module: nn.Module) -> bool:
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` holds LoRA layers already (a model class that adds LoRA in its constructor)."""
     return any(is_lora_layer(m) for m in model.modules())
+
+
+def reinit_lora_mixin(mixin, parent_model) -> None:
+    """SAT's ``LoraMixin.reinit`` (sat/model/finetune/lora2.py) with ``qlora=True`` leaves the transformer's
+    other linears float and unquantised until a later ``.cuda()``, cloning each (THUDM/CogVLM#438). Here every
+    target linear of ``mixin.layer_range`` gets its LoRA layer (through ``lora2.replace_linear_with_lora``,
+    patched or not), and with QLoRA the base model's remaining linears are quantised to NF4 at once."""
+    transformer = parent_model.transformer
+    for i in mixin.layer_range:
+        for owner, name, partition in lora_targets(transformer.layers[i], mixin.cross_attention):
+            lin = getattr(owner, name)
+            out_size, in_size = full_shape(lin)
+            setattr(owner, name, lora2.replace_linear_with_lora(
+                lin, partition, mixin.r, mixin.lora_alpha, mixin.lora_dropout, qlora=mixin.qlora,
+                in_size=in_size, out_size=out_size))
+    print_rank0(f"LoRA (r={mixin.r}{', NF4 base' if mixin.qlora else ''}) on layers {list(mixin.layer_range)}")
+    if mixin.qlora:
+        for root in qlora_base(parent_model):
+            quantize_linears_nf4(root)

@@ -1,4 +1,4 @@
-"""Adapter-only saves of LoRA runs (:mod:`sat_patches.checkpoints.adapter`).
+"""Adapter-only saves of LoRA runs (:func:`sat_patches.checkpoints.saving.save_adapter_only`).
 
 * ``save_adapter_only`` -- ``sat.training.model_io.save_ds_checkpoint_no_optim`` has DeepSpeed write the
   whole model into every save (~35 GB for CogVLM at MP=1, THUDM/CogVLM#303), though a LoRA run trains
@@ -10,30 +10,16 @@
 from __future__ import annotations
 
 import functools
-import os
 
-import torch.distributed as dist
-
-from ..checkpoints import adapter
+from ..checkpoints.saving import save_adapter_only
 from ..core.registry import Patch, expect_names
 
 
 def _save_ds_checkpoint_no_optim(original):
     """sat/training/model_io.py save_ds_checkpoint_no_optim: every save holds the whole model."""
     @functools.wraps(original)
-    def save_ds_checkpoint_no_optim(model, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
-        module = getattr(model, "module", model)
-        if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
-            return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
-        base = getattr(module, adapter.BASE_ATTRIBUTE)
-        model._save_checkpoint = functools.partial(type(model)._save_checkpoint, model, exclude_frozen_parameters=True)
-        try:
-            result = original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
-        finally:
-            del model._save_checkpoint
-        if dist.get_rank() == 0:
-            adapter.write_manifest(os.path.join(save_dir, str(tag)), base)
-        return result
+    def save_ds_checkpoint_no_optim(*args, **kwargs):
+        return save_adapter_only(original, *args, **kwargs)
     return save_ds_checkpoint_no_optim
 
 

@@ -27,67 +27,17 @@ Assumes ``<save>`` is one filesystem seen by every rank (as SAT's own ``latest``
 """
 from __future__ import annotations
 
-import copy
 import functools
-import os
-import shutil
 
-import torch.distributed as dist
-from sat import mpu
-
-from ..checkpoints import save_lock
-from ..checkpoints.publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
-from ..checkpoints.writer import fsync_tree
-from ..core.coordination import store_gather
+from ..checkpoints.saving import save_checkpoint_staged
 from ..core.registry import Patch, expect_names
-
-_saves = [0]  # saves this process has made (names the exchange of each save's staging folder)
 
 
 def _save_checkpoint(original):
-    """SAT's save_checkpoint, staged in ``<save>/.saving-<N>-<run>`` and published by one rename on rank 0
-    (stock SAT writes shards and ``latest`` in place: a rank killed mid-save, as the kill -9 of
-    THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to resume from)."""
+    """SAT's save_checkpoint writes shards and ``latest`` in place (THUDM/CogVLM#283, THUDM/CogVLM#320)."""
     @functools.wraps(original)
-    def save_checkpoint(iteration, model, optimizer, lr_scheduler, args):
-        save = getattr(args, "save", None)
-        if not save or not dist.is_initialized():
-            return original(iteration, model, optimizer, lr_scheduler, args)
-        rank = dist.get_rank()
-        verdict = ""
-        if rank == 0:  # the run's lock on the folder, then a staging folder of its own
-            try:
-                os.makedirs(save, exist_ok=True)
-                token = save_lock.acquire(save)
-                staged = staging_dir(save, iteration, token)
-                sweep_stale_staging(save, keep=staged)
-                shutil.rmtree(staged, ignore_errors=True)
-                os.makedirs(staged)
-                verdict = "ok " + token
-            except (OSError, save_lock.SaveLockError) as exc:
-                verdict = f"error {type(exc).__name__}: {exc}"
-        _saves[0] += 1
-        verdict = store_gather(f"save/{iteration}/{_saves[0]}", verdict)[0]
-        if verdict.startswith("error "):
-            raise CheckpointSaveError(f"checkpoint of iteration {iteration} not saved into '{save}': {verdict[6:]}")
-        staged = staging_dir(save, iteration, verdict[3:])
-        if optimizer is not None and not hasattr(optimizer, "optimizer"):
-            # SAT reads optimizer.optimizer only to spot FusedEmaAdam; a bare torch optimizer (DeepSpeed
-            # with a client optimizer and no ZeRO wrapper) has none: AttributeError after the shards.
-            optimizer = None
-        staged_args = copy.copy(args)
-        staged_args.save = staged
-        try:
-            original(iteration, model, optimizer, lr_scheduler, staged_args)  # ends with a barrier
-            fsync_tree(staged)  # every rank: the files it wrote are durable (on its node) before publishing
-            dist.barrier()
-            if rank == 0:
-                publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
-        except BaseException:
-            if rank == 0:  # a full disk, a failed write: nothing left behind (one remover: removals by several
-                shutil.rmtree(staged, ignore_errors=True)  # ranks at once raced, and one could leave the folder)
-            raise
-        dist.barrier()
+    def save_checkpoint(*args, **kwargs):
+        return save_checkpoint_staged(original, *args, **kwargs)
     return save_checkpoint
 
 

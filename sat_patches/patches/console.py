@@ -17,46 +17,26 @@ Without a run directory SAT prints as before. ``SAT_PATCHES_DISABLE`` with a pat
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-import torch.distributed as dist
 
 from ..core.registry import Patch, expect_params
-from ..diagnostics.console import ARGUMENTS_TXT, CurrentRun, record_times, write_arguments
-from ..diagnostics.ledger import run_directory
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+from ..diagnostics.console import log_timers_to_file, print_args_to_file
 
 
 def _print_args(original):
+    """SAT's print_args: ~120 argument lines on the console."""
     @functools.wraps(original)
-    def print_args(args):
-        run_dir = run_directory(args)
-        CurrentRun.directory, CurrentRun.iteration = run_dir, getattr(args, "iteration", 0)
-        if not run_dir or getattr(args, "save_args", False):  # --save-args: SAT's own copy, as asked
-            return original(args)
-        os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, ARGUMENTS_TXT)
-        write_arguments(args, path)
-        if _rank0():
-            print(f"arguments: {len(vars(args))} settings in {path}", flush=True)
+    def print_args(*args, **kwargs):
+        return print_args_to_file(original, *args, **kwargs)
     return print_args
 
 
 def _timers_log(original):
+    """SAT's Timers.log: a timer line per log interval on the console."""
     @functools.wraps(original)
     def log(self, names, normalizer=1.0, reset=True):
-        if not CurrentRun.directory:
-            return original(self, names, normalizer, reset)
-        assert normalizer > 0.0
-        # every rank reads (and resets) its timers, as SAT's log does; rank 0 writes them down
-        times = {name: self.timers[name].elapsed(reset=reset) * 1000.0 / normalizer
-                 for name in names if name in self.timers}
-        if _rank0():
-            record_times(CurrentRun.directory, CurrentRun.iteration, times)
+        return log_timers_to_file(original, self, names, normalizer, reset)
     return log
 
 

@@ -5,17 +5,14 @@ import functools
 
 from ..core.registry import Patch, expect_names
 from ..runtime import devices
-from ..runtime.deepspeed_config import lint_deepspeed_config
+from ..runtime.deepspeed_config import initialize_distributed_linted
 
 
 def _lint_before_deepspeed(original):
     """SAT hands ``args.deepspeed_config`` to DeepSpeed first in ``initialize_distributed``."""
     @functools.wraps(original)
-    def initialize_distributed(args):
-        if isinstance(getattr(args, "deepspeed_config", None), dict):
-            lint_deepspeed_config(args.deepspeed_config, getattr(args, "world_size", None),
-                                  getattr(args, "model_parallel_size", 1), getattr(args, "batch_size", None))
-        return original(args)
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_linted(original, *args, **kwargs)
     return initialize_distributed
 
 

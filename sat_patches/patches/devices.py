@@ -3,99 +3,43 @@
 Policy: the compute device is ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``; a
 ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU. Every
 rank of a job must agree (checked when the process group is created,
-:func:`sat_patches.patches.distributed.check_ranks_agree_on_device`).
+:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`).
 Tests (or ``SAT_PATCHES_DEVICE=meta``) point it elsewhere with :func:`use_device` to prove that
 allocations follow it instead of a hard-coded device.
 """
 from __future__ import annotations
 
 import functools
-import random
-import time
 
-import numpy as np
-import torch
-from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
-from sat.training import model_io  # save_ds_checkpoint_no_optim looked up at call time: patched or replaced
-
-from ..checkpoints.state import model_parallel_rng_tracker
+from ..checkpoints import saving
 from ..core.registry import Patch, expect_names
-from ..runtime.devices import communication_device, compute_device, synchronize
+from ..runtime import collectives
+from ..runtime.devices import start_timer, stop_timer
 
 
 def _timer_method(original):
     """Timers call ``torch.cuda.synchronize`` unconditionally (sat/training/utils.py)."""
-    timed = original.__name__  # 'start' or 'stop'
+    timed = start_timer if original.__name__ == "start" else stop_timer
 
     @functools.wraps(original)
     def method(self):
-        if timed == "start":
-            assert not self.started_, "timer has already been started"
-            synchronize()
-            self.start_time = time.time()
-            self.started_ = True
-        else:
-            assert self.started_, "timer is not started"
-            synchronize()
-            self.elapsed_ += time.time() - self.start_time
-            self.started_ = False
+        return timed(self)
     return method
 
 
 def _broadcast_data(original):
     """``mpu.broadcast_data`` packs on ``torch.cuda.current_device()`` (sat/mpu/data.py)."""
-
     @functools.wraps(original)
-    def broadcast_data(keys, data, datatype):
-        device = communication_device()
-        group, src = get_model_parallel_group(), get_model_parallel_src_rank()
-        if get_model_parallel_rank() == 0:
-            for key in keys:
-                if data[key].dtype != datatype:
-                    raise TypeError(f"broadcast_data: {key} has data type {data[key].dtype}, "
-                                    f"expected {datatype}")
-            shapes = [list(data[key].shape) for key in keys]
-        else:
-            shapes = None
-        box = [shapes]
-        torch.distributed.broadcast_object_list(box, src=src, group=group, device=device)
-        shapes = box[0]
-        numels = [int(torch.Size(s).numel()) for s in shapes]
-        if get_model_parallel_rank() == 0:
-            flat = torch.cat([data[k].contiguous().view(-1) for k in keys]).to(device)
-        else:
-            flat = torch.empty(sum(numels), dtype=datatype, device=device)
-        torch.distributed.broadcast(flat, src, group=group)
-        out, offset = {}, 0
-        for key, shape, numel in zip(keys, shapes, numels):
-            out[key] = flat.narrow(0, offset, numel).view(shape)
-            offset += numel
-        return out
+    def broadcast_data(*args, **kwargs):
+        return collectives.broadcast_data(*args, **kwargs)
     return broadcast_data
 
 
 def _save_ds_checkpoint(original):
-    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save (CPU
-    runs), and the model-parallel RNG tracker's states, which SAT's ``load_checkpoint`` restores but
-    its save never wrote (a resumed CUDA run re-drew its attention-dropout masks)."""
-
-
+    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save."""
     @functools.wraps(original)
-    def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False):
-        sd = {"iteration": iteration}
-        if lr_scheduler is not None:
-            sd["client_lr_scheduler"] = lr_scheduler.state_dict()
-        if not args.no_save_rng:
-            sd["random_rng_state"] = random.getstate()
-            sd["np_rng_state"] = np.random.get_state()
-            sd["torch_rng_state"] = torch.get_rng_state()
-            if compute_device().type == "cuda":
-                sd["cuda_rng_state"] = torch.cuda.get_rng_state()
-            tracker = model_parallel_rng_tracker()
-            if tracker is not None:  # SAT's load_checkpoint reads these back; its save never wrote them
-                sd["rng_tracker_states"] = tracker.get_states()
-        tag = f"{iteration}-ema" if use_ema else str(iteration)
-        model_io.save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
+    def save_ds_checkpoint(*args, **kwargs):
+        return saving.save_ds_checkpoint(*args, **kwargs)
     return save_ds_checkpoint
 
 

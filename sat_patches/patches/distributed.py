@@ -6,81 +6,36 @@ with device type cpu`` (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). The p
 """
 from __future__ import annotations
 
-import argparse
-import atexit
 import functools
 
-import torch.distributed as dist
-
 from ..core.registry import Patch, expect_names, expect_params
-from ..runtime import devices
-from ..runtime.distributed import (check_ranks_agree_on_device, destroy_group_at_exit, explained_collectives,
-                                   process_group_backend, training_device,)
+from ..runtime.distributed import (explained_collectives, get_args_on_cpu, initialize_distributed_destroyed_at_exit,
+                                   initialize_distributed_with_backend, training_device,)
 
 
 def _initialize_distributed(original):
     """sat/arguments.py initialize_distributed: the group is created NCCL-only (THUDM/CogVLM#328,
     THUDM/SwissArmyTransformer#173)."""
     @functools.wraps(original)
-    def initialize_distributed(args):
-        created = not dist.is_initialized()
-        if created:
-            args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
-        result = original(args)
-        if created:
-            check_ranks_agree_on_device()
-        return result
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_with_backend(original, *args, **kwargs)
     return initialize_distributed
 
 
 def _destroy_at_exit(original):
-    """sat/arguments.py initialize_distributed: SAT creates the process group and never destroys it.
-
-    Neither SAT's ``training_main`` nor CogVLM's demos call ``destroy_process_group``. The group then
-    dies during interpreter teardown, and gloo's worker threads can abort the process there
-    (``terminate called without an active exception``, exit code -6, after the run succeeded;
-    pytorch/pytorch#190489). The group SAT creates is destroyed by an ``atexit`` handler instead, which
-    runs while the interpreter is still whole."""
+    """sat/arguments.py initialize_distributed: SAT creates the process group and never destroys it
+    (pytorch/pytorch#190489)."""
     @functools.wraps(original)
-    def initialize_distributed(args):
-        created = not dist.is_initialized()
-        result = original(args)
-        if created and dist.is_initialized():
-            atexit.unregister(destroy_group_at_exit)  # once, however often a group is created
-            atexit.register(destroy_group_at_exit)
-        return result
+    def initialize_distributed(*args, **kwargs):
+        return initialize_distributed_destroyed_at_exit(original, *args, **kwargs)
     return initialize_distributed
 
 
 def _get_args(original):
-    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU.
-
-    Without CUDA SAT sets ``args.device = 'cpu'``, then compares it with ``args.local_rank`` and
-    refuses to train. While SAT checks (and sets up torch.distributed) both name the CPU device;
-    the integer local rank is put back before ``get_args`` returns.
-    """
+    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU."""
     @functools.wraps(original)
-    def get_args(args_list=None, parser=None):
-        if devices.compute_device().type == "cuda":
-            return original(args_list, parser)
-        parser = parser if parser is not None else argparse.ArgumentParser(description="sat")
-        parse, local_rank = parser.parse_args, []
-
-        def parse_args(*a, **kw):
-            ns = parse(*a, **kw)
-            if getattr(ns, "device", None) == -1:
-                local_rank.append(ns.local_rank if ns.local_rank is not None else devices.local_rank())
-                ns.device = ns.local_rank = "cpu"
-            return ns
-
-        parser.parse_args = parse_args
-        try:
-            args = original(args_list, parser)
-        finally:
-            del parser.parse_args
-        if local_rank:
-            args.local_rank = local_rank[0]
-        return args
+    def get_args(*args, **kwargs):
+        return get_args_on_cpu(original, *args, **kwargs)
     return get_args
 
 

@@ -18,8 +18,8 @@ that names nobody. The patch ``rank_heartbeat`` (on ``training_main``) runs a he
 rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
 ``timeout / 10`` s and watches every peer's counter. A peer silent for
 ``SAT_PATCHES_HEARTBEAT_TIMEOUT`` seconds (default 300) makes this rank print
-"rank N stopped (no heartbeat for X s)", dump its stacks and exit with :data:`hangs.EXIT_CODE`
-(through :func:`sat_patches.patches.hangs.fire`, which also tells the other ranks). A store that stops
+"rank N stopped (no heartbeat for X s)", dump its stacks and exit with :data:`sat_patches.diagnostics.watchdog.EXIT_CODE`
+(through :func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
 answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main``
 marks itself done, so a normal end is not mistaken for a death. When a collective fails first
 (gloo notices a closed socket), the failing rank names a peer silent for 3 beats (``timeout / 10``
@@ -29,16 +29,11 @@ of the rank's own (not a lost connection) is raised at once, without that wait.
 from __future__ import annotations
 
 import functools
-import json
-import sys
-from typing import Optional
 
-from ..core.coordination import PEER_LOST, error_kinds
 from ..core.registry import Patch, expect_names, expect_params
-from ..core import fenced
-from ..diagnostics.heartbeat import heartbeat_timeout, start_heartbeat
+from ..diagnostics.heartbeat import training_main_with_heartbeat
 from ..runtime.checks import check_lora_args
-from ..runtime.deepspeed_config import DeepSpeedConfigError
+from ..runtime.deepspeed_config import get_args_naming_bad_json
 
 
 def _lora_mixin_init(original):
@@ -53,55 +48,20 @@ def _lora_mixin_init(original):
     return __init__
 
 
-def _deepspeed_config_path(args_list) -> Optional[str]:
-    argv = list(sys.argv[1:] if args_list is None else args_list)
-    for i, a in enumerate(argv):
-        for flag in ("--deepspeed_config", "--deepspeed-config"):
-            if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
 def _get_args(original):
     """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix."""
     @functools.wraps(original)
-    def get_args(args_list=None, parser=None):
-        try:
-            return original(args_list, parser)
-        except json.JSONDecodeError as exc:
-            path = _deepspeed_config_path(args_list) or "--deepspeed_config"
-            raise DeepSpeedConfigError(
-                f"DeepSpeed config '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}: "
-                f"fix that line (JSON has no comments, no trailing commas, and needs double quotes)") from exc
+    def get_args(*args, **kwargs):
+        return get_args_naming_bad_json(original, *args, **kwargs)
     return get_args
-
-
-def _lost_peer(exc: BaseException) -> bool:
-    """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
-    a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
-    return PEER_LOST in error_kinds(exc)
 
 
 def _training_main(original):
     """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
     (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
     @functools.wraps(original)
-    def training_main(args, *a, **kw):
-        heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
-        hb = fenced.HEARTBEAT.run(start_heartbeat)
-        try:
-            result = original(args, *a, **kw)
-        except Exception as exc:
-            if hb is not None and _lost_peer(exc):
-                reason = hb.wait_for_dead()
-                if reason:
-                    hb.fire(reason)
-            raise
-        if hb is not None:
-            hb.done()
-        return result
+    def training_main(*args, **kwargs):
+        return training_main_with_heartbeat(original, *args, **kwargs)
     return training_main
 
 

@@ -23,38 +23,16 @@ and the SIGABRT dump applies (not exercised on this project's CPU-only CI).
 from __future__ import annotations
 
 import functools
-import threading
 
-from ..core.coordination import TIMED_OUT, error_kinds
 from ..core.registry import Patch, expect_names
-from ..diagnostics.watchdog import COLLECTIVES, current_watchdog, fire, start_watchdog
+from ..diagnostics.watchdog import COLLECTIVES, start_watchdog, timed_collective
 
 
 def _timed_collective(original):
     """A blocking torch.distributed collective, timed by this rank's watchdog once it runs."""
-    name = original.__name__
-
     @functools.wraps(original)
     def collective(*args, **kwargs):
-        watchdog = current_watchdog()
-        if watchdog is None or kwargs.get("async_op"):
-            return original(*args, **kwargs)
-        outermost = watchdog.enter(name)
-        try:
-            return original(*args, **kwargs)
-        except Exception as exc:
-            if watchdog.fired.locked():
-                # the watchdog is reporting a hang of this rank and exits the process with EXIT_CODE; a peer that
-                # already exited can fail this collective first ("Connection closed by peer"): wait for that exit
-                with watchdog.fired:
-                    raise
-            if outermost and TIMED_OUT in error_kinds(exc):
-                # the process group's own timeout (same length) can beat the watchdog: same report
-                fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "
-                     f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True)
-            raise
-        finally:
-            watchdog.leave(outermost)
+        return timed_collective(original, *args, **kwargs)
     return collective
 
 

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import functools
 
-from ..core import fenced
 from ..core.registry import Patch, expect_names, expect_params
-from ..diagnostics.ledger import LEDGER, enabled, run_directory
+from ..diagnostics.ledger import LEDGER, train_step_recorded
 
 
 def _recording(phase: str, once: bool = False):
@@ -46,23 +45,10 @@ def _recording(phase: str, once: bool = False):
 
 
 def _train_step(original):
-    """SAT's train_step: record the first step and every step that ends a log interval; at those
-    steps (the same on every rank) gather the rows to rank 0, write and print them."""
+    """SAT's train_step: record the first step and every step that ends a log interval."""
     @functools.wraps(original)
-    def train_step(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw):
-        result = original(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw)
-        if not enabled():
-            return result
-        LEDGER.steps += 1
-        iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
-        interval = max(1, getattr(args, "log_interval", 1) or 1)
-        if LEDGER.steps == 1:
-            fenced.LEDGER.run(LEDGER.record, "first_step", iteration)
-            LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
-        elif iteration % interval == 0:
-            fenced.LEDGER.run(LEDGER.record, "step", iteration)
-            LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
-        return result
+    def train_step(*args, **kwargs):
+        return train_step_recorded(original, *args, **kwargs)
     return train_step
 
 

@@ -7,8 +7,8 @@ every partition (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#283, #320, #162); 
 caller's ``args`` and ``overwrite_args``; from an MP=N checkpoint to MP=N it raises
 "model_parallel_size is inconsistent" (THUDM/CogVLM#233).
 
-Here (this module: SAT's entry points and the patches; :mod:`sat_patches.checkpoints.state` loads a
-checkpoint's state into a model):
+Here (this module: the patches; :mod:`sat_patches.checkpoints.loading`: SAT's entry points;
+:mod:`sat_patches.checkpoints.state` loads a checkpoint's state into a model):
 
 * :mod:`sat_patches.checkpoints.files` checks the checkpoint directory and ``model_config.json``
   before the model is built; :mod:`sat_patches.checkpoints.sharding` reads each rank's own slices, in chunks,
@@ -25,28 +25,19 @@ from __future__ import annotations
 
 import datetime
 import functools
-import sys
 
-import torch.distributed as dist
-from sat.helpers import check_if_zero3
-from sat.training import model_io
-
-from ..checkpoints import safe_load
-from ..checkpoints.loading import SharedStartClock, all_ranks_loading, from_pretrained, load_checkpoint
-from ..core.coordination import check_local_world_size, group_store, store_gather
+from ..checkpoints.loading import (SharedStartClock, from_pretrained_unless_zero3, load_checkpoint_unless_zero3,
+                                   training_main_with_shared_start,)
+from ..core.coordination import check_local_world_size
 from ..core.registry import Patch, expect_names, expect_params
 
 
 def _load_checkpoint(original):
     """SAT's load_checkpoint, mapped and rank-local; ZeRO-3 models keep SAT's own path."""
     @functools.wraps(original)
-    def wrapper(model, args, load_path=None, prefix="", specific_iteration=None):
-        if check_if_zero3(args):
-            with safe_load.module_loads_safely(model_io):
-                return original(model, args, load_path=load_path, prefix=prefix,
-                                specific_iteration=specific_iteration)
-        return load_checkpoint(model, args, load_path, prefix, specific_iteration)
-    return wrapper
+    def load_checkpoint(*args, **kwargs):
+        return load_checkpoint_unless_zero3(original, *args, **kwargs)
+    return load_checkpoint
 
 
 def _from_pretrained(auto: bool):
@@ -54,10 +45,7 @@ def _from_pretrained(auto: bool):
     def make(original):
         @functools.wraps(original.__func__)
         def wrapper(cls, name, args=None, **kwargs):
-            if args is not None and check_if_zero3(args):
-                with safe_load.module_loads_safely(model_io):
-                    return original.__func__(cls, name, args, **kwargs)
-            return from_pretrained(None if auto else cls, name, args, **kwargs)
+            return from_pretrained_unless_zero3(original.__func__, auto, cls, name, args, **kwargs)
         return classmethod(wrapper)
     return make
 
@@ -78,28 +66,11 @@ def _expect_datetime_class(original):
     return None if original is datetime.datetime else f"it is {original!r}, not the datetime class"
 
 
-_runs = 0
-
-
 def _training_main(original):
-    module = sys.modules[original.__module__]
-
+    """SAT's training_main: experiment_name timestamps differ per rank (THUDM/CogVLM#269)."""
     @functools.wraps(original)
-    def training_main(args, *a, **kw):
-        timestamped = not (args.load and args.mode == "pretrain")
-        global _runs
-        clock = getattr(module, "datetime", None)
-        shared = isinstance(clock, SharedStartClock) and timestamped and group_store() is not None
-        if shared:
-            _runs += 1
-            start = clock.real.now().isoformat() if dist.get_rank() == 0 else ""
-            clock.share(clock.real.fromisoformat(store_gather(f"start/{_runs}", start)[0]))
-        try:
-            with all_ranks_loading():
-                return original(args, *a, **kw)
-        finally:
-            if shared:
-                clock.share(None)
+    def training_main(*args, **kwargs):
+        return training_main_with_shared_start(original, *args, **kwargs)
     return training_main
 
 

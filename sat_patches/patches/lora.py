@@ -8,31 +8,15 @@ a ``NameError``.
 """
 from __future__ import annotations
 
-from sat.helpers import print_rank0
-from sat.model.finetune import lora2
-
 from ..core.registry import Patch, expect_names, expect_params
-from ..lora.layer import LoraLinear, full_shape, lora_targets, merge_linear_lora, replace_linear_with_lora
-from ..lora.qlora import qlora_base, quantize_linears_nf4
+from ..lora.layer import LoraLinear, merge_linear_lora, reinit_lora_mixin, replace_linear_with_lora
 
 
 def _reinit(original):
     """THUDM/CogVLM#438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
     def reinit(self, parent_model=None):
-        transformer = parent_model.transformer
-        for i in self.layer_range:
-            for owner, name, partition in lora_targets(transformer.layers[i], self.cross_attention):
-                lin = getattr(owner, name)
-                out_size, in_size = full_shape(lin)
-                setattr(owner, name, lora2.replace_linear_with_lora(
-                    lin, partition, self.r, self.lora_alpha, self.lora_dropout, qlora=self.qlora,
-                    in_size=in_size, out_size=out_size))
-        print_rank0(f"LoRA (r={self.r}{', NF4 base' if self.qlora else ''}) on layers {list(self.layer_range)}")
-        if self.qlora:
-            for root in qlora_base(parent_model):
-                quantize_linears_nf4(root)
+        return reinit_lora_mixin(self, parent_model)
     return reinit
-
 
 
 def _expect_lora_linear(cls):

@@ -12,90 +12,27 @@ reported once and turned off; training goes on.
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 
-import torch
-import torch.distributed as dist
-
-from ..core import fenced, noise
-from ..core.registry import Patch, SatPatchesWarning, expect_params
-from ..diagnostics import console
-from ..diagnostics.ledger import run_directory
-from ..diagnostics.progress import SAT_LINE, progress_line, record_step
-
-
-class _DropSatIterationLine(logging.Filter):
-    def filter(self, record):
-        return SAT_LINE not in record.getMessage()
-
-
-def _print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics) -> None:
-    scale = (getattr(optimizer, "cur_scale", None) if args.deepspeed else getattr(optimizer, "loss_scale", None)) \
-        if args.fp16 else None
-    print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
-
-
-def _record_curve(run_dir: str, step, loss, lr, elapsed_time) -> None:
-    try:
-        record_step(run_dir, step, loss, lr, elapsed_time)
-    except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
-        warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
+from ..core import noise
+from ..core.module_patches import QuietThirdPartyPatch
+from ..core.registry import Patch, expect_params
+from ..diagnostics.progress import report_evaluate_metrics_float32, report_iteration_progress
 
 
 def _report_iteration_metrics(original):
+    """SAT's report_iteration_metrics: a long line per log interval, no time left."""
     @functools.wraps(original)
-    def report_iteration_metrics(summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args,
-                                 avg_metrics):
-        sat_logger = logging.getLogger("sat")
-        quiet = _DropSatIterationLine()
-        sat_logger.addFilter(quiet)
-        try:  # SAT's TensorBoard / wandb reporting, without its line
-            original(summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
-        finally:
-            sat_logger.removeFilter(quiet)
-        console.note_iteration(args, step)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        fenced.PROGRESS.run(_print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
-        run_dir = run_directory(args)
-        if run_dir:
-            fenced.LOSS_CURVE.run(_record_curve, run_dir, step, loss, lr, elapsed_time)
+    def report_iteration_metrics(*args, **kwargs):
+        return report_iteration_progress(original, *args, **kwargs)
     return report_iteration_metrics
 
 
 def _report_evaluate_metrics(original):
-    """SAT's evaluation report with its metrics as float32: a bf16 run's metrics (a script that returns its
-    loss in the model's dtype, as SAT's ChatGLM2 example does) are bf16 tensors, which TensorBoard's
-    ``add_scalar`` refuses ("Got unsupported ScalarType BFloat16") at the run's first evaluation."""
-
+    """SAT's report_evaluate_metrics: bf16 metrics that TensorBoard's add_scalar refuses."""
     @functools.wraps(original)
-    def report_evaluate_metrics(summary_writer, prefix, loss, ppl, step, args, avg_metrics):
-        if avg_metrics:
-            avg_metrics = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
-                           for k, v in avg_metrics.items()}
-        return original(summary_writer, prefix, loss, ppl, step, args, avg_metrics)
+    def report_evaluate_metrics(*args, **kwargs):
+        return report_evaluate_metrics_float32(original, *args, **kwargs)
     return report_evaluate_metrics
-
-
-class QuietThirdPartyPatch(Patch):
-    """The log filters of :mod:`sat_patches.core.noise` as a registry entry (they go on at ``import
-    sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
-
-    def current(self):
-        return noise.is_installed()
-
-    def is_applied(self) -> bool:
-        return self.current()
-
-    def apply(self, force: bool = False) -> None:
-        noise.install()
-        self.status, self.reason = "applied", ""
-
-    def restore(self) -> None:
-        if self.status == "applied":
-            noise.remove()
-            self.status, self.reason = "restored", ""
 
 
 PATCHES = [

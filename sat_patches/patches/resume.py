@@ -39,8 +39,8 @@ import functools
 
 from sat.helpers import check_if_zero3
 
-from ..checkpoints.resume import (SCHEDULE_KEYS, close_resumed_states, load_optimizer_states, restore_lr_schedule,
-                                  restore_rng_states, resumable, resuming, save_optimizer_states,)
+from ..checkpoints.resume import (SCHEDULE_KEYS, load_optimizer_states, restore_lr_schedule, resumable, resuming,
+                                  save_optimizer_states, train_restoring_rng,)
 from ..core.registry import Patch, expect_names, expect_params
 
 
@@ -87,42 +87,11 @@ def _get_learning_rate_scheduler(original):
     return get_learning_rate_scheduler
 
 
-class _RestoreRngAfterIter:
-    """A data loader whose ``iter()`` is followed by ``restore()``. ``train`` creates the train and
-    validation iterators first, and each draws a seed from torch's generator (as it did at the start of
-    the stopped run): the saved states go back after the last of those draws."""
-
-    def __init__(self, loader, restore):
-        self._loader, self._restore = loader, restore
-
-    def __iter__(self):
-        iterator = iter(self._loader)
-        restore, self._restore = self._restore, lambda: None   # once: not at every later evaluation
-        restore()
-        return iterator
-
-    def __len__(self):
-        return len(self._loader)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
 def _train(original):
     """``training_main`` re-seeds every generator with ``--seed`` after loading the checkpoint's states."""
     @functools.wraps(original)
-    def train(model, optimizer, lr_scheduler, train_data, val_data, timers, args, *a, **kw):
-        if resuming(args):
-            def restore():
-                restore_rng_states(args)
-                close_resumed_states()
-            if val_data is not None:
-                val_data = _RestoreRngAfterIter(val_data, restore)
-            elif train_data is not None:
-                train_data = _RestoreRngAfterIter(train_data, restore)
-            else:
-                restore()
-        return original(model, optimizer, lr_scheduler, train_data, val_data, timers, args, *a, **kw)
+    def train(*args, **kwargs):
+        return train_restoring_rng(original, *args, **kwargs)
     return train
 
 

@@ -12,9 +12,9 @@ import inspect
 
 import _sat_patches_boot
 
+from ..core.module_patches import ServedModulePatch
 from ..core.registry import Patch
 from ..kernels.rotary import apply_rotary
-from .standins import ServedModulePatch
 
 TRITON_ROTARY = _sat_patches_boot.TRITON_ROTARY
 

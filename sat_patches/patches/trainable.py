@@ -12,21 +12,14 @@ from __future__ import annotations
 import functools
 
 from ..core.registry import Patch, expect_names
-from ..runtime.trainable import adapters_only, setting
+from ..runtime.trainable import setup_with_trainable_setting
 
 
 def _setup(original):
+    """SAT asks the model what trains; CogVLM's demos leave more than the adapters on."""
     @functools.wraps(original)
-    def setup_model_untrainable_params_and_optimizer(args, model, config_params=None):
-        if setting() == "lora":
-            scripts_choice = getattr(model, "disable_untrainable_params", None)
-
-            def disable_untrainable_params():
-                if scripts_choice is not None:
-                    scripts_choice()
-                adapters_only(model)
-            model.disable_untrainable_params = disable_untrainable_params  # what SAT calls next
-        return original(args, model, config_params)
+    def setup_model_untrainable_params_and_optimizer(*args, **kwargs):
+        return setup_with_trainable_setting(original, *args, **kwargs)
     return setup_model_untrainable_params_and_optimizer
 
 

@@ -3,6 +3,8 @@ the wrong place, batch sizes that do not divide.
 """
 from __future__ import annotations
 
+import json
+import sys
 import warnings
 from typing import Optional
 
@@ -120,3 +122,39 @@ def _batch_sizes(config: dict, world_size: Optional[int], mp: int, batch_size: O
             f"gradient_accumulation_steps={accumulation or 1} x {dp} data-parallel rank(s) ({world_size} ranks / "
             f"model-parallel size {mp}) = {expected}. Delete train_batch_size (DeepSpeed derives it) or set it "
             f"to {expected}" + (f", or set gradient_accumulation_steps to {fits}." if fits else "."))
+
+
+def deepspeed_config_path(args_list=None) -> Optional[str]:
+    """The ``--deepspeed_config`` (or ``--deepspeed-config``) path of ``args_list`` (else ``sys.argv``)."""
+    argv = list(sys.argv[1:] if args_list is None else args_list)
+    for i, a in enumerate(argv):
+        for flag in ("--deepspeed_config", "--deepspeed-config"):
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def get_args_naming_bad_json(original, args_list=None, parser=None):
+    """SAT's ``get_args`` (sat/arguments.py; ``original``) ``json.load``s ``--deepspeed_config``: a syntax
+    error surfaces as a bare ``JSONDecodeError`` naming neither file nor fix. Here it is a
+    :class:`DeepSpeedConfigError` naming the file and line."""
+    try:
+        return original(args_list, parser)
+    except json.JSONDecodeError as exc:
+        path = deepspeed_config_path(args_list) or "--deepspeed_config"
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}: "
+            f"fix that line (JSON has no comments, no trailing commas, and needs double quotes)") from exc
+
+
+def initialize_distributed_linted(original, args):
+    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) hands ``args.deepspeed_config`` to
+    DeepSpeed first; SAT's bundled configs and upstream's demo configs hold settings DeepSpeed 0.19 rejects or
+    ignores (``min_loss_scale`` 0.01, a top-level ``offload_optimizer``, batch-size arithmetic). The config is
+    linted (:func:`lint_deepspeed_config`, with the run's world size, MP size and batch size) before that."""
+    if isinstance(getattr(args, "deepspeed_config", None), dict):
+        lint_deepspeed_config(args.deepspeed_config, getattr(args, "world_size", None),
+                              getattr(args, "model_parallel_size", 1), getattr(args, "batch_size", None))
+    return original(args)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from typing import Optional
 
 import torch
@@ -77,3 +78,20 @@ def synchronize() -> None:
     """``torch.cuda.synchronize`` only where the compute device is CUDA."""
     if compute_device().type == "cuda":
         torch.cuda.synchronize()
+
+
+def start_timer(timer) -> None:
+    """SAT's ``Timers.Timer.start`` (sat/training/utils.py) calls ``torch.cuda.synchronize``
+    unconditionally, which fails on CPU runs; this synchronizes only where the device is CUDA."""
+    assert not timer.started_, "timer has already been started"
+    synchronize()
+    timer.start_time = time.time()
+    timer.started_ = True
+
+
+def stop_timer(timer) -> None:
+    """SAT's ``Timers.Timer.stop`` (sat/training/utils.py): :func:`start_timer`'s counterpart."""
+    assert timer.started_, "timer is not started"
+    synchronize()
+    timer.elapsed_ += time.time() - timer.start_time
+    timer.started_ = False

@@ -3,6 +3,8 @@ the group destroyed before interpreter teardown, and collectives whose failure n
 """
 from __future__ import annotations
 
+import argparse
+import atexit
 import contextlib
 import warnings
 
@@ -112,3 +114,59 @@ def training_device(args, model_given: bool):
                       f"whole model back to CPU. Using {compute}.", SatPatchesWarning, stacklevel=3)
         return compute.index
     return args.device
+
+
+def initialize_distributed_with_backend(original, args):
+    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) creates an NCCL-only process group
+    and then runs collectives on CPU tensors: ``No backend type associated with device type cpu``
+    (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). A group it creates gets a backend for each device
+    (:func:`process_group_backend`), and the ranks are checked to agree on their device."""
+    created = not dist.is_initialized()
+    if created:
+        args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
+    result = original(args)
+    if created:
+        check_ranks_agree_on_device()
+    return result
+
+
+def initialize_distributed_destroyed_at_exit(original, args):
+    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) creates the process group and never
+    destroys it. Neither SAT's ``training_main`` nor CogVLM's demos call ``destroy_process_group``. The group
+    then dies during interpreter teardown, and gloo's worker threads can abort the process there
+    (``terminate called without an active exception``, exit code -6, after the run succeeded;
+    pytorch/pytorch#190489). The group SAT creates is destroyed by an ``atexit`` handler instead
+    (:func:`destroy_group_at_exit`), which runs while the interpreter is still whole."""
+    created = not dist.is_initialized()
+    result = original(args)
+    if created and dist.is_initialized():
+        atexit.unregister(destroy_group_at_exit)  # once, however often a group is created
+        atexit.register(destroy_group_at_exit)
+    return result
+
+
+def get_args_on_cpu(original, args_list=None, parser=None):
+    """SAT's ``get_args`` (sat/arguments.py; ``original``) fails on CPU with ``LOCAL_RANK (default 0) and
+    args.device inconsistent``: without CUDA it sets ``args.device = 'cpu'``, then compares it with
+    ``args.local_rank`` and refuses to train. While SAT checks (and sets up torch.distributed) both name the
+    CPU device; the integer local rank is put back before this returns. On CUDA, SAT's own."""
+    if devices.compute_device().type == "cuda":
+        return original(args_list, parser)
+    parser = parser if parser is not None else argparse.ArgumentParser(description="sat")
+    parse, local_rank = parser.parse_args, []
+
+    def parse_args(*a, **kw):
+        ns = parse(*a, **kw)
+        if getattr(ns, "device", None) == -1:
+            local_rank.append(ns.local_rank if ns.local_rank is not None else devices.local_rank())
+            ns.device = ns.local_rank = "cpu"
+        return ns
+
+    parser.parse_args = parse_args
+    try:
+        args = original(args_list, parser)
+    finally:
+        del parser.parse_args
+    if local_rank:
+        args.local_rank = local_rank[0]
+    return args

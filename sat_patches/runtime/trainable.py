@@ -22,3 +22,19 @@ def adapters_only(model) -> int:
     for name, p in named:
         p.requires_grad_(is_adapter(name))
     return sum(p.numel() for n, p in named if is_adapter(n))
+
+
+def setup_with_trainable_setting(original, args, model, config_params=None):
+    """SAT's ``setup_model_untrainable_params_and_optimizer`` (sat/training/deepspeed_training.py; ``original``)
+    asks the model which parameters train (``model.disable_untrainable_params()``); CogVLM's finetune demos
+    leave far more than the LoRA adapters on. With ``SAT_PATCHES_TRAINABLE=lora`` the model's answer is
+    followed by :func:`adapters_only`: only the adapters train."""
+    if setting() == "lora":
+        scripts_choice = getattr(model, "disable_untrainable_params", None)
+
+        def disable_untrainable_params():
+            if scripts_choice is not None:
+                scripts_choice()
+            adapters_only(model)
+        model.disable_untrainable_params = disable_untrainable_params  # what SAT calls next
+    return original(args, model, config_params)

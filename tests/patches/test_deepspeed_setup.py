@@ -7,8 +7,8 @@ import os
 import pytest
 
 import sat_patches
-from sat_patches.runtime.deepspeed_config import DeepSpeedConfigError, lint_deepspeed_config
-from sat_patches.patches.deepspeed_setup import _lint_before_deepspeed
+from sat_patches.runtime.deepspeed_config import (DeepSpeedConfigError, initialize_distributed_linted,
+                                                  lint_deepspeed_config)
 
 # upstream THUDM/CogVLM finetune_demo/test_config_bf16.json (offload_optimizer at the top level)
 UPSTREAM_BF16 = {
@@ -125,7 +125,8 @@ def test_min_loss_scale_and_sat_bundled_configs_pass():
 def test_lint_runs_at_launch_with_the_run_geometry(cuda_rank):
     """The deepspeed_config_lint patch hands SAT's world size, MP size and --batch-size to the lint."""
     seen = []
-    wrapped = _lint_before_deepspeed(lambda args: seen.append(args.deepspeed_config) or "initialised")
+    def wrapped(args):
+        return initialize_distributed_linted(lambda a: seen.append(a.deepspeed_config) or "initialised", args)
     bad = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 64}
     args = argparse.Namespace(deepspeed_config=dict(bad), world_size=8, model_parallel_size=2, batch_size=4)
     with pytest.raises(DeepSpeedConfigError, match="= 16"):

@@ -43,7 +43,7 @@ def _saves(save, live_pid, dead_pid):
     import argparse
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.patches.checkpointing import _save_checkpoint
+    from sat_patches.checkpoints.saving import save_checkpoint_staged
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
     rank, seen = dist.get_rank(), {}
@@ -53,7 +53,7 @@ def _saves(save, live_pid, dead_pid):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                _save_checkpoint(_stand_in(fail))(iteration, None, None, None, args)
+                save_checkpoint_staged(_stand_in(fail), iteration, None, None, None, args)
                 seen[name] = "saved"
             except (RuntimeError, OSError) as exc:
                 seen[name] = f"{type(exc).__name__}: {exc}"

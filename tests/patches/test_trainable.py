@@ -4,7 +4,6 @@ import torch
 
 import sat_patches
 from sat_patches.core.kinds import KINDS
-from sat_patches.patches import trainable as trainable_patches
 from sat_patches.runtime import trainable
 
 
@@ -30,7 +29,7 @@ def _sat_setup_stand_in(args, model, config_params=None):
                                            ("", {"matrix_A", "matrix_B", "dense.weight"})])
 def test_setting_decides_what_trains(monkeypatch, value, trains):
     monkeypatch.setenv(trainable.ENV, value)
-    assert trainable_patches._setup(_sat_setup_stand_in)(None, TinyLoraModel()) == trains
+    assert trainable.setup_with_trainable_setting(_sat_setup_stand_in, None, TinyLoraModel()) == trains
 
 
 def test_bad_setting_and_lora_without_adapters_are_refused(monkeypatch):

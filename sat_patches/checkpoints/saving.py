@@ -1,0 +1,114 @@
+"""SAT's checkpoint saves, made to work on CPU runs, to save only a LoRA run's adapters, and to be atomic.
+
+Each function takes the place of (or wraps, given as ``original``) one function of ``sat/training/model_io.py``.
+SAT functions that other patches replace are looked up through their module (``model_io.<name>``) at call time.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sat import mpu
+from sat.training import model_io  # save_ds_checkpoint_no_optim looked up at call time: patched or replaced
+
+from ..core.coordination import store_gather
+from ..runtime.devices import compute_device
+from . import adapter, save_lock
+from .publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
+from .state import model_parallel_rng_tracker
+from .writer import fsync_tree
+
+_saves = [0]  # saves this process has made (names the exchange of each save's staging folder)
+
+
+def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> None:
+    """SAT's ``save_ds_checkpoint`` (sat/training/model_io.py) calls ``torch.cuda.get_rng_state()`` on every
+    save (CPU runs fail unless ``--no-save-rng``), and leaves out the model-parallel RNG tracker's states,
+    which SAT's ``load_checkpoint`` restores but its save never wrote (a resumed CUDA run re-drew its
+    attention-dropout masks). Here the CUDA state is saved only where the device is CUDA, and the tracker's
+    states are saved too."""
+    sd = {"iteration": iteration}
+    if lr_scheduler is not None:
+        sd["client_lr_scheduler"] = lr_scheduler.state_dict()
+    if not args.no_save_rng:
+        sd["random_rng_state"] = random.getstate()
+        sd["np_rng_state"] = np.random.get_state()
+        sd["torch_rng_state"] = torch.get_rng_state()
+        if compute_device().type == "cuda":
+            sd["cuda_rng_state"] = torch.cuda.get_rng_state()
+        tracker = model_parallel_rng_tracker()
+        if tracker is not None:  # SAT's load_checkpoint reads these back; its save never wrote them
+            sd["rng_tracker_states"] = tracker.get_states()
+    tag = f"{iteration}-ema" if use_ema else str(iteration)
+    model_io.save_ds_checkpoint_no_optim(model, args.save, tag, client_state=sd)
+
+
+def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
+    """SAT's ``save_ds_checkpoint_no_optim`` (sat/training/model_io.py) has DeepSpeed write the whole model
+    into every save (~35 GB for CogVLM at MP=1, THUDM/CogVLM#303, THUDM/CogVideo#244), though a LoRA run
+    trains megabytes of it. When :func:`~sat_patches.checkpoints.adapter.adapter_only` says so, ``original``
+    (SAT's function) runs with DeepSpeed asked for the trained parameters only (``exclude_frozen_parameters``),
+    and ``adapter.json`` beside the shards names the base checkpoint the model was loaded from."""
+    module = getattr(model, "module", model)
+    if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
+        return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
+    base = getattr(module, adapter.BASE_ATTRIBUTE)
+    model._save_checkpoint = functools.partial(type(model)._save_checkpoint, model, exclude_frozen_parameters=True)
+    try:
+        result = original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
+    finally:
+        del model._save_checkpoint
+    if dist.get_rank() == 0:
+        adapter.write_manifest(os.path.join(save_dir, str(tag)), base)
+    return result
+
+
+def save_checkpoint_staged(original, iteration, model, optimizer, lr_scheduler, args) -> None:
+    """SAT's ``save_checkpoint`` (sat/training/model_io.py; ``original``), staged in ``<save>/.saving-<N>-<run>``
+    and published by one rename on rank 0. Stock SAT writes shards and ``latest`` in place: a rank killed
+    mid-save, as the kill -9 of THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to
+    resume from. Without ``args.save`` or a process group, SAT's own save."""
+    save = getattr(args, "save", None)
+    if not save or not dist.is_initialized():
+        return original(iteration, model, optimizer, lr_scheduler, args)
+    rank = dist.get_rank()
+    verdict = ""
+    if rank == 0:  # the run's lock on the folder, then a staging folder of its own
+        try:
+            os.makedirs(save, exist_ok=True)
+            token = save_lock.acquire(save)
+            staged = staging_dir(save, iteration, token)
+            sweep_stale_staging(save, keep=staged)
+            shutil.rmtree(staged, ignore_errors=True)
+            os.makedirs(staged)
+            verdict = "ok " + token
+        except (OSError, save_lock.SaveLockError) as exc:
+            verdict = f"error {type(exc).__name__}: {exc}"
+    _saves[0] += 1
+    verdict = store_gather(f"save/{iteration}/{_saves[0]}", verdict)[0]
+    if verdict.startswith("error "):
+        raise CheckpointSaveError(f"checkpoint of iteration {iteration} not saved into '{save}': {verdict[6:]}")
+    staged = staging_dir(save, iteration, verdict[3:])
+    if optimizer is not None and not hasattr(optimizer, "optimizer"):
+        # SAT reads optimizer.optimizer only to spot FusedEmaAdam; a bare torch optimizer (DeepSpeed
+        # with a client optimizer and no ZeRO wrapper) has none: AttributeError after the shards.
+        optimizer = None
+    staged_args = copy.copy(args)
+    staged_args.save = staged
+    try:
+        original(iteration, model, optimizer, lr_scheduler, staged_args)  # ends with a barrier
+        fsync_tree(staged)  # every rank: the files it wrote are durable (on its node) before publishing
+        dist.barrier()
+        if rank == 0:
+            publish(staged, save, dist.get_world_size(), mpu.get_model_parallel_world_size())
+    except BaseException:
+        if rank == 0:  # a full disk, a failed write: nothing left behind (one remover: removals by several
+            shutil.rmtree(staged, ignore_errors=True)  # ranks at once raced, and one could leave the folder)
+        raise
+    dist.barrier()

@@ -1,0 +1,75 @@
+"""Registry entries that replace no function: modules served from stand-ins, and third-party log filters."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import _sat_patches_boot
+
+from . import noise
+from .registry import MARKER, Patch
+
+
+class ServedModulePatch(Patch):
+    """Provide the module ``sys.modules:<name>`` from its stand-in (an import-time patch).
+
+    Usually the start-up hook has already served it; otherwise it is placed in ``sys.modules`` here,
+    before anything imports it."""
+
+    @property
+    def module_name(self) -> str:
+        return self.target.partition(":")[2]
+
+    def current(self):
+        return sys.modules.get(self.module_name)
+
+    def is_applied(self) -> bool:
+        return getattr(self.current(), MARKER, None) == self.name
+
+    def apply(self, force: bool = False) -> None:
+        if self.is_applied():
+            self.status, self.reason = "applied", ""
+            return
+        if not _sat_patches_boot.wanted(self.module_name):
+            real = _sat_patches_boot.STANDINS[self.module_name][1]
+            self.status, self.reason = "not needed", f"{real} is installed"
+            return
+        if self.current() is not None:  # only reachable when the real module imported before
+            self.status, self.reason = "not needed", f"{self.module_name} is already imported"
+            return
+        spec = _sat_patches_boot.kernel_spec(self.module_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[self.module_name] = self.replacement = module
+        spec.loader.exec_module(module)
+        self.status, self.reason = "applied", ""
+
+    def restore(self) -> None:
+        if self.status == "applied" and self.current() is not None and self.is_applied():
+            for name in [n for n in sys.modules if n == self.module_name or n.startswith(self.module_name + ".")]:
+                del sys.modules[name]
+            parent_name, _, leaf = self.module_name.rpartition(".")
+            parent = sys.modules.get(parent_name) if parent_name else None
+            if parent is not None and hasattr(parent, leaf):
+                delattr(parent, leaf)
+            self.replacement = None
+            self.status, self.reason = "restored", ""
+
+
+class QuietThirdPartyPatch(Patch):
+    """The log filters of :mod:`sat_patches.core.noise` as a registry entry (they go on at ``import
+    sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
+
+    def current(self):
+        return noise.is_installed()
+
+    def is_applied(self) -> bool:
+        return self.current()
+
+    def apply(self, force: bool = False) -> None:
+        noise.install()
+        self.status, self.reason = "applied", ""
+
+    def restore(self) -> None:
+        if self.status == "applied":
+            noise.remove()
+            self.status, self.reason = "restored", ""

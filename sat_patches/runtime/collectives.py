@@ -1,0 +1,38 @@
+"""Collectives SAT runs on a hard-coded CUDA device, on the device policy's communication device instead."""
+from __future__ import annotations
+
+import torch
+from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
+
+from .devices import communication_device
+
+
+def broadcast_data(keys, data, datatype):
+    """SAT's ``mpu.broadcast_data`` (sat/mpu/data.py) packs the batch on ``torch.cuda.current_device()``,
+    which fails on CPU ranks. The same broadcast from the model-parallel source rank, on
+    :func:`~sat_patches.runtime.devices.communication_device`: the shapes first (as a Python object), then one
+    flat tensor of every key's data, split again into a dict of views on every rank."""
+    device = communication_device()
+    group, src = get_model_parallel_group(), get_model_parallel_src_rank()
+    if get_model_parallel_rank() == 0:
+        for key in keys:
+            if data[key].dtype != datatype:
+                raise TypeError(f"broadcast_data: {key} has data type {data[key].dtype}, "
+                                f"expected {datatype}")
+        shapes = [list(data[key].shape) for key in keys]
+    else:
+        shapes = None
+    box = [shapes]
+    torch.distributed.broadcast_object_list(box, src=src, group=group, device=device)
+    shapes = box[0]
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    if get_model_parallel_rank() == 0:
+        flat = torch.cat([data[k].contiguous().view(-1) for k in keys]).to(device)
+    else:
+        flat = torch.empty(sum(numels), dtype=datatype, device=device)
+    torch.distributed.broadcast(flat, src, group=group)
+    out, offset = {}, 0
+    for key, shape, numel in zip(keys, shapes, numels):
+        out[key] = flat.narrow(0, offset, numel).view(shape)
+        offset += numel
+    return out
