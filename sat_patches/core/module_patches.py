@@ -26,7 +26,7 @@ class ServedModulePatch(Patch):
     def is_applied(self) -> bool:
         return getattr(self.current(), MARKER, None) == self.name
 
-    def apply(self, force: bool = False) -> None:
+    def apply(self, force: bool = False, aliases=None) -> None:  # (binds no function: no aliases to rebind)
         if self.is_applied():
             self.status, self.reason = "applied", ""
             return
@@ -65,7 +65,7 @@ class QuietThirdPartyPatch(Patch):
     def is_applied(self) -> bool:
         return self.current()
 
-    def apply(self, force: bool = False) -> None:
+    def apply(self, force: bool = False, aliases=None) -> None:  # (binds no function: no aliases to rebind)
         noise.install()
         self.status, self.reason = "applied", ""
 

@@ -250,3 +250,22 @@ def test_aliases_in_our_own_modules_are_rebound_and_restored():
         assert ours.sat_function(1) == 2
     finally:
         del sys.modules[ours.__name__]
+
+
+def test_one_index_of_aliases_serves_every_patch_and_sees_modules_imported_between_them():
+    """Aliases are found by one pass over the modules for all the patches of an ``apply_all``: a stacked
+    patch rebinds what the first one rebound, and a module imported between two patches (a target's import
+    brings it in) is indexed before the second patch looks."""
+    from sat_patches.core.registry import Aliases
+    module, holder = _fake_target()
+    aliases, late = Aliases(), types.ModuleType("sat_patches._satp_fake_late")
+    first = aliases.rebind(module.sat_function, "first", "satp_fake_target")
+    assert holder.sat_function == "first" and (holder.__dict__, "sat_function") in first
+    late.sat_function = "first"                        # imported after the first patch: sees its result
+    sys.modules[late.__name__] = late
+    try:
+        second = aliases.rebind("first", "second", "satp_fake_target")
+        assert holder.sat_function == late.sat_function == module.sat_function == "second"
+        assert {id(namespace) for namespace, _ in second} == {id(m.__dict__) for m in (module, holder, late)}
+    finally:
+        del sys.modules[late.__name__], sys.modules["sat.satp_fake_alias"], sys.modules["satp_fake_target"]

@@ -20,6 +20,7 @@ is a 4-byte big-endian length and a pickle.
 The zygote stays single-threaded (a ``select`` loop on the request pipe, ``waitpid(-1, WNOHANG)``
 while ranks live): forking a process with other threads would copy held locks into the child.
 """
+import gc
 import os
 import pickle
 import select
@@ -144,6 +145,9 @@ def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
             __import__(name)
         if "sat_patches" in sys.modules:
             raise RuntimeError("the preload imported sat_patches; ranks would not start unpatched")
+        # the preloaded heap (torch, SAT, ...) moves to the collector's permanent generation: a forked rank's
+        # collections skip it instead of walking millions of objects each (and leave its pages shared)
+        gc.freeze()
     except BaseException:
         _send(reply_fd, ("failed", traceback.format_exc()))
         return
