@@ -57,6 +57,10 @@ def _load_at_mp2(ckpt):
         el.model_class().from_pretrained(ckpt, el.build_args(read_model_config(ckpt), model_parallel_size=2))
     except safe_load.UnsafeCheckpointError as exc:
         return str(exc)
+    finally:
+        # rank 0 holds the rendezvous store: leaving first would cut off a rank still creating its groups
+        # (seen: rank 1 "Failed to recv ... Connection was likely closed" inside initialize_model_parallel)
+        dist.barrier()
     return None
 
 
