@@ -55,8 +55,8 @@ def inject_lora(model: torch.nn.Module, state: dict, lora_alpha: float) -> List[
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         if not is_lora_layer(getattr(parent, name)):
-            setattr(parent, name, lora2.replace_linear_with_lora(getattr(parent, name), _partition(state, path, count), r,
-                                                           lora_alpha))
+            layer = getattr(parent, name)
+            setattr(parent, name, lora2.replace_linear_with_lora(layer, _partition(state, path, count), r, lora_alpha))
         paths.append(path)
     return paths
 

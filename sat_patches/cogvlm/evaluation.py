@@ -29,31 +29,8 @@ from ..checkpoints.writer import write_text_atomic
 from ..data.jsonl import DataError, check_data_path, write_jsonl
 from ..lora.layer import has_lora
 from . import create_dataset_function, data_collator, llama2_tokenizer, model_class_for
+from .scores import summarise, summary_line
 from .trainer import add_lora, model_inputs, processors
-
-
-def char_score(prediction: str, answer: str) -> float:
-    """Share of positions where ``prediction`` and ``answer`` hold the same character, over the longer one."""
-    longest = max(len(prediction), len(answer))
-    return 1.0 if longest == 0 else sum(p == a for p, a in zip(prediction, answer)) / longest
-
-
-def summarise(rows: List[Dict]) -> Dict:
-    n = len(rows)
-    exact = sum(row["exact"] for row in rows)
-    return {"samples": n, "exact_match": exact, "accuracy": exact / n if n else 0.0,
-            "char_accuracy": sum(char_score(r["prediction"], r["answer"]) for r in rows) / n if n else 0.0}
-
-
-def read_summary(out: str) -> Dict:
-    """The ``summary.json`` an evaluation wrote into ``out``."""
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f)
-
-
-def summary_line(summary: Dict, data: str, label: str = "evaluation") -> str:
-    return (f"{label}: exact match {summary['exact_match']}/{summary['samples']} ({summary['accuracy']:.1%}), "
-            f"characters {summary['char_accuracy']:.1%} on {data}")
 
 
 def greedy_answer(model, batch, tokenizer, steps: int = 8) -> str:

@@ -132,5 +132,5 @@ def compare_with_probe(kind: str, probe_file: str, merged: str, local_tokenizer:
     args.valid_data = [probe["valid_data"]]
     batch = probe_batch(args, image, text, cross)
     logits = model(**model_inputs(batch))[0].float()
-    return {"difference": (logits - probe["logits"]).abs().max().item(), "answer": greedy_answer(model, batch, tokenizer),
-            "label": probe["label"]}
+    return {"difference": (logits - probe["logits"]).abs().max().item(),
+            "answer": greedy_answer(model, batch, tokenizer), "label": probe["label"]}

@@ -33,6 +33,7 @@ import sys
 from typing import Dict, List, Optional
 
 from ..cogvlm.config import tiny_config
+from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
 from ..planning import estimator as plan
@@ -394,7 +395,6 @@ def main(argv=None) -> int:
 
 def print_evaluations(save_dir: str) -> None:
     """The exact match before training (where the CPU demo measured it) and after, one line each."""
-    from ..cogvlm.evaluation import read_summary, summary_line  # torch and SAT: only after a run, not before its launch
     before, out = evaluation_dir(save_dir, before=True), evaluation_dir(save_dir)
     if os.path.isfile(os.path.join(before, "summary.json")):
         summary = read_summary(before)

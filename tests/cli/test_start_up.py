@@ -41,3 +41,22 @@ def test_tool_imports_neither_torch_nor_sat(argv, says, tmp_path):
         assert json.loads(out.stdout)["model"] == "cogvlm-base-490"
     else:
         assert says in out.stderr
+
+
+def test_the_runner_prints_a_runs_evaluations_without_torch_or_sat(tmp_path):
+    """After a run, the finetune script's last lines (exact match before and after training) cost no torch or
+    SAT start-up (about 10 s on a CPU machine)."""
+    import json
+    for folder, exact in (("evaluation_before_training", 0), ("evaluation", 3)):
+        os.makedirs(tmp_path / folder)
+        summary = {"samples": 4, "exact_match": exact, "accuracy": exact / 4, "char_accuracy": 0.5, "data": "v.jsonl"}
+        (tmp_path / folder / "summary.json").write_text(json.dumps(summary))
+    code = (f"import sys; from sat_patches.runner.finetune_run import print_evaluations; "
+            f"print_evaluations({str(tmp_path)!r}); "
+            "print('LOADED ' + ' '.join(m for m in ('torch', 'sat') if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=SOURCE))
+    assert out.returncode == 0 and "LOADED \n" in out.stderr + "\n", out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "evaluation before training: exact match 0/4 (0.0%), characters 50.0% on v.jsonl",
+        "evaluation: exact match 3/4 (75.0%), characters 50.0% on v.jsonl"]

@@ -5,18 +5,18 @@ import os
 
 import pytest
 
-from sat_patches.cogvlm import evaluation
+from sat_patches.cogvlm import evaluation, scores
 from sat_patches.testing import run_ranks
 
 
 def test_scores():
-    assert evaluation.char_score("ab12", "ab12") == 1.0
-    assert evaluation.char_score("ab1", "ab12") == 0.75       # over the longer of the two
-    assert evaluation.char_score("xb12zz", "ab12") == 0.5
-    assert evaluation.char_score("", "") == 1.0 and evaluation.char_score("", "ab") == 0.0
+    assert scores.char_score("ab12", "ab12") == 1.0
+    assert scores.char_score("ab1", "ab12") == 0.75       # over the longer of the two
+    assert scores.char_score("xb12zz", "ab12") == 0.5
+    assert scores.char_score("", "") == 1.0 and scores.char_score("", "ab") == 0.0
     rows = [{"prediction": "ab12", "answer": "ab12", "exact": True},
             {"prediction": "ab13", "answer": "ab12", "exact": False}]
-    assert evaluation.summarise(rows) == {"samples": 2, "exact_match": 1, "accuracy": 0.5, "char_accuracy": 0.875}
+    assert scores.summarise(rows) == {"samples": 2, "exact_match": 1, "accuracy": 0.5, "char_accuracy": 0.875}
 
 
 def test_bad_input_is_refused_before_anything_is_loaded(tmp_path):

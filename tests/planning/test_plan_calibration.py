@@ -73,7 +73,8 @@ LAYER_TERMS = [(name, kind, train) for name in ("cogvlm-base-490", "cogagent-cha
 
 
 # the fast tier keeps one case per layer term, as the scripts run it (MP=2, checkpointed); the others are slow
-@pytest.mark.parametrize("checkpoint", [pytest.param(False, marks=pytest.mark.slow), True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("checkpoint", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["stored", "checkpointed"])
 @pytest.mark.parametrize("mp", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("name, kind, train", LAYER_TERMS, ids=lambda v: str(v))
 def test_a_layer_term_is_the_measured_layer_at_full_size(name, kind, train, mp, checkpoint):
