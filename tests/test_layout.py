@@ -208,3 +208,16 @@ def test_the_adapter_check_counts_nested_statements():
                      "            return 1\n        try:\n            pass\n        except ValueError:\n"
                      "            raise\n    return wrapper\n")
     assert _statements(tree.body[0].body) == 8  # def, if, return, try, pass, except, raise, return
+
+
+def test_the_package_folder_holds_only_modules_and_the_configs_it_ships():
+    """No editor or merge leftovers (``.orig``, ``.rej``, backups) inside the package: what setup.py ships is
+    Python modules and ``configs/*.json``."""
+    stray = []
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), PACKAGE)
+            if not (name.endswith(".py") or (path.startswith("configs" + os.sep) and name.endswith(".json"))):
+                stray.append(path)
+    assert stray == [], stray
