@@ -1,11 +1,12 @@
-"""The device policy every patch asks, and the patches that remove SAT's hard-coded CUDA calls.
+"""The patches that remove SAT's hard-coded CUDA calls; what they do is in :mod:`sat_patches.runtime.devices`,
+:mod:`sat_patches.runtime.collectives` and :mod:`sat_patches.checkpoints.saving`.
 
-Policy: the compute device is ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``; a
-``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU. Every
-rank of a job must agree (checked when the process group is created,
-:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`).
-Tests (or ``SAT_PATCHES_DEVICE=meta``) point it elsewhere with :func:`use_device` to prove that
-allocations follow it instead of a hard-coded device.
+The device policy they follow (:mod:`sat_patches.runtime.devices`): the compute device is ``cuda:<LOCAL_RANK>``
+when CUDA is available, else ``cpu``; a ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second
+rank on the same GPU. Every rank of a job must agree (checked when the process group is created,
+:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`). Tests (or ``SAT_PATCHES_DEVICE=meta``)
+point it elsewhere with :func:`sat_patches.runtime.devices.use_device` to prove that allocations follow it
+instead of a hard-coded device.
 """
 from __future__ import annotations
 
