@@ -8,8 +8,8 @@ LLaMA's ``LMMixin``/``LLaMAMlpMixin`` build ``ColumnParallelLinear`` without ``p
 vision-expert mixins default to ``device=torch.device('cpu')`` and fp32. ``get_model`` casts and
 moves only once the whole model exists, so a rank holds a full fp32 CPU copy first.
 
-Instead of an edit per class, :func:`build_on` is a :class:`~torch.overrides.TorchFunctionMode` (the
-style of accelerate's ``init_on_device``) over tensor factory functions: inside it, a factory call
+Instead of an edit per class, :func:`sat_patches.runtime.construction.build_on` is a
+:class:`~torch.overrides.TorchFunctionMode` (the style of accelerate's ``init_on_device``) over tensor factory functions: inside it, a factory call
 that names no device or the CPU allocates on the build device, and a float32 (or default-dtype)
 factory call allocates in the run's dtype. It is entered around every SAT model construction
 (``MetaModel.__call__``: ``get_model``, ``from_pretrained``, models nested in models such as
@@ -36,7 +36,8 @@ def _model_args(args, kwargs):
 
 
 def _construct_model(original):
-    """``SomeModel(args, ...)`` for every SAT model class: build inside :func:`build_on`."""
+    """``SomeModel(args, ...)`` for every SAT model class: built inside
+    :func:`~sat_patches.runtime.construction.build_on`."""
     def __call__(cls, *args, **kwargs):
         sat_args = _model_args(args, kwargs)
         if current_build() is not None or (sat_args is not None and check_if_zero3(sat_args)):

@@ -2,8 +2,8 @@
 
 Bad input, refused before the model is built with a message that says what to change:
 
-* :func:`check_lora_args` -- LoRA rank <= 0, ``layer_range`` outside the model's layers, ``--use_qlora``
-  without a working ``bitsandbytes``. Call it right after argument parsing (it reads ``num_layers``
+* :func:`sat_patches.runtime.checks.check_lora_args` -- LoRA rank <= 0, ``layer_range`` outside the model's
+  layers, ``--use_qlora`` without a working ``bitsandbytes``. Call it right after argument parsing (it reads ``num_layers``
   from the ``model_config.json`` of ``--from_pretrained`` when given a directory). The patch
   ``lora_args_check`` runs the same check in ``LoraMixin.__init__`` for scripts that do not call it
   (upstream's ``finetune_cogvlm_demo.py``): there it stops before any LoRA layer is allocated.
@@ -18,7 +18,8 @@ that names nobody. The patch ``rank_heartbeat`` (on ``training_main``) runs a he
 rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
 ``timeout / 10`` s and watches every peer's counter. A peer silent for
 ``SAT_PATCHES_HEARTBEAT_TIMEOUT`` seconds (default 300) makes this rank print
-"rank N stopped (no heartbeat for X s)", dump its stacks and exit with :data:`sat_patches.diagnostics.watchdog.EXIT_CODE`
+"rank N stopped (no heartbeat for X s)", dump its stacks and exit with
+:data:`sat_patches.diagnostics.watchdog.EXIT_CODE`
 (through :func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
 answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main``
 marks itself done, so a normal end is not mistaken for a death. When a collective fails first

@@ -8,7 +8,7 @@ status -- instead of waiting 30 minutes (gloo) or until someone kills the job, a
 * Blocking ``torch.distributed`` collectives (barrier, broadcast, all_reduce, ...) are timed. A call
   still running after the timeout -- or raising gloo's "Timed out" -- makes this rank print a header
   naming the blocked SAT call, dump every thread's stack (``faulthandler``), post the event in the
-  process group's store, and exit with status :data:`EXIT_CODE`.
+  process group's store, and exit with status :data:`sat_patches.diagnostics.watchdog.EXIT_CODE`.
 * Every rank's watchdog thread polls the store: when another rank posted a timeout, this rank dumps
   its own stacks (showing what it was doing instead: a rank stuck in preprocessing is named too) and
   exits with the same status.
