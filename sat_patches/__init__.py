@@ -7,12 +7,13 @@ command-line tools do, costs no SAT start-up). Per patch opt-out: ``SAT_PATCHES_
 tells what was applied (applying first if SAT was not imported yet), :func:`unpatch` restores the
 originals.
 
-Where things are: :mod:`sat_patches.patches` (one module per SAT concern, and the order they are
-applied in), :mod:`sat_patches.core` (the registry and what the patches share),
-:mod:`sat_patches.checkpoints` (reading, splitting and writing SAT checkpoint directories),
-:mod:`sat_patches.cogvlm` (CogVLM/CogAgent models), :mod:`sat_patches.tools` (the ``sat-patches``
-command and the finetune scripts' runner), :mod:`sat_patches.testing` (several CPU ranks in tests);
-``python -m sat_patches.launch``, ``.merge`` and ``.finetune`` are the entry points.
+Where things are: :mod:`sat_patches.patches` (the patch records, one module per SAT concern, and the order
+of those that share a target), the libraries they bind (:mod:`sat_patches.runtime`, :mod:`sat_patches.checkpoints`,
+:mod:`sat_patches.diagnostics`, :mod:`sat_patches.lora`, ...), :mod:`sat_patches.core` (the registry, the settings,
+the model kinds), :mod:`sat_patches.cogvlm` (CogVLM/CogAgent models, trainer, evaluation), :mod:`sat_patches.cli`
+(the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run),
+:mod:`sat_patches.testing` (several CPU ranks in tests). ``python -m sat_patches.launch`` runs a script with the
+patches armed; ``python -m sat_patches.merge``, ``.evaluate``, ``.finetune`` are ``sat-patches`` verbs.
 """
 from __future__ import annotations
 
