@@ -23,13 +23,13 @@ from typing import Iterable, List
 import _sat_patches_boot  # noqa: F401  (without triton, ``import sat`` needs SAT's rotary module served)
 
 from .core import noise
-from .core.after_import import AfterImport
+from .core.after_import import AfterEachImport, AfterImport, initializing
 from .core import settings
 from .core.registry import REGISTRY, Patch, SatPatchesWarning  # noqa: F401
 
 __version__ = "0.2.0"
 
-_auto = {"pending": True, "applying": False}
+_auto = {"pending": True, "applying": False, "waiting": False}
 
 
 def _registered():
@@ -39,14 +39,26 @@ def _registered():
     return REGISTRY
 
 
-def _apply_on_import() -> None:
+def _apply_on_import(finished: str = "") -> None:
     """Called once SAT is imported. When SAT's import came from a patch module being imported,
-    :mod:`sat_patches.patches` calls this again once all of them are."""
+    :mod:`sat_patches.patches` calls this again once all of them are. When it came from another module of
+    ours mid-import (``from sat_patches.checkpoints.loading import ...`` before ``import sat``), the patches,
+    which import that module, wait until it is done: called again as each module of ours finishes
+    (``finished``)."""
     patches = sys.modules.get(f"{__name__}.patches")
     if patches is not None and not hasattr(patches, "PATCHES"):
         return
+    if not _auto["applying"] and initializing(__name__, but=finished):
+        _auto["waiting"] = True
+        return
+    _auto["waiting"] = False
     if _auto["pending"] and not _auto["applying"]:
         apply()
+
+
+def _after_own_import(fullname: str) -> None:
+    if _auto["waiting"]:
+        _apply_on_import(finished=fullname)
 
 
 def _applied():
@@ -61,8 +73,9 @@ def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
     try:
         _registered().apply_all(disable=disable, force=force)
     finally:
-        _auto.update(pending=False, applying=False)
+        _auto.update(pending=False, applying=False, waiting=False)
     _hook.remove()
+    _own_imports.remove()
     return REGISTRY.table()
 
 
@@ -71,6 +84,7 @@ def unpatch(*names: str) -> None:
     ``from x import y`` aliases; patches stacked over a named one on the same target stay applied."""
     _auto["pending"] = False  # an unpatch before ``import sat`` also means: do not patch it then
     _hook.remove()
+    _own_imports.remove()
     if names:
         _registered().restore(names)
     else:
@@ -114,5 +128,8 @@ def stacks():
 
 if not ({noise.PATCH_NAME, "all"} & settings.read("SAT_PATCHES_DISABLE")):
     noise.install()  # before SAT imports bitsandbytes and DeepSpeed, which log at import
+_own_imports = AfterEachImport(__name__, _after_own_import)  # where the patches wait for a module of ours
 _hook = AfterImport("sat", _apply_on_import)
+if "sat" not in sys.modules:
+    _own_imports.arm()
 _hook.arm()

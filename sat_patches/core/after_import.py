@@ -19,8 +19,11 @@ class AfterImport(importlib.abc.MetaPathFinder):
         self.name, self.callback = name, callback
         self._finding = False
 
+    def watches(self, fullname: str) -> bool:
+        return fullname == self.name
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name or self._finding:
+        if not self.watches(fullname) or self._finding:
             return None
         self._finding = True
         try:
@@ -33,11 +36,14 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_module(module)
-            self.remove()
-            self.callback()
+            self.done(fullname)
 
         spec.loader.exec_module = exec_module
         return spec
+
+    def done(self, fullname: str) -> None:
+        self.remove()
+        self.callback()
 
     def arm(self) -> "AfterImport":
         """Call back now if the module is already imported, else once it is."""
@@ -50,4 +56,26 @@ class AfterImport(importlib.abc.MetaPathFinder):
     def remove(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+class AfterEachImport(AfterImport):
+    """``callback(fullname)`` after each module of the package ``name`` has been imported, until removed."""
+
+    def watches(self, fullname: str) -> bool:
+        return fullname.startswith(self.name + ".")
+
+    def done(self, fullname: str) -> None:
+        self.callback(fullname)
+
+    def arm(self) -> "AfterEachImport":
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        return self
+
+
+def initializing(package: str, but: str = "") -> list:
+    """The modules of ``package`` whose own code is running now (mid-import), ``but`` left out."""
+    return [name for name, module in list(sys.modules.items())
+            if name.startswith(package + ".") and name != but
+            and getattr(getattr(module, "__spec__", None), "_initializing", False)]
 
