@@ -60,6 +60,9 @@ def _saves(save, live_pid, dead_pid):
         seen[name] += " | " + " | ".join(str(w.message) for w in caught)
         dist.barrier()
         seen[name + " files"] = sorted(os.listdir(save))
+        # every rank has looked before rank 0 starts the next save: it stages under the same name (same
+        # iteration, same run), and a slower rank listed that new folder as one the failed save had left
+        dist.barrier()
 
     if rank == 0:
         os.makedirs(os.path.join(save, ".saving-2", "2"))  # left by a save that crashed in an earlier run
