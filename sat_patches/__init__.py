@@ -48,12 +48,13 @@ def _apply_on_import(finished: str = "") -> None:
     patches = sys.modules.get(f"{__name__}.patches")
     if patches is not None and not hasattr(patches, "PATCHES"):
         return
-    if not _auto["applying"] and initializing(__name__, but=finished):
+    if not _auto["pending"] or _auto["applying"]:
+        return  # (every later status() and is_patched() call comes here: no scan of the modules)
+    if initializing(__name__, but=finished):
         _auto["waiting"] = True
         return
     _auto["waiting"] = False
-    if _auto["pending"] and not _auto["applying"]:
-        apply()
+    apply()
 
 
 def _after_own_import(fullname: str) -> None:
