@@ -42,14 +42,16 @@ def _check_image_length(args):
 
 
 def _add_vision_mixins(model, args, placement, cogagent):
-    """The ``eva``, ``mlp`` and ``rotary`` mixins shared by CogVLM and CogAgent."""
+    """The ``eva``, ``mlp`` and ``rotary`` mixins shared by CogVLM and CogAgent (the last two of the classes
+    ``model.vision_expert_mixins``: a CogVLM fork's model code brings its own)."""
+    fc_mixin, attention_mixin = model.vision_expert_mixins
     place = dict(params_dtype=placement.params_dtype, device=placement.device)
     model.add_mixin("eva", ImageMixin(args, skip_init=placement.skip_init, with_pos_embed=cogagent, **place))
     inits = dict(skip_init=placement.skip_init, init_method=placement.init_method,
                  output_layer_init_method=placement.output_layer_init_method, **place)
-    model.add_mixin("mlp", LlamaVisionExpertFCMixin(args.hidden_size, args.inner_hidden_size, args.num_layers,
+    model.add_mixin("mlp", fc_mixin(args.hidden_size, args.inner_hidden_size, args.num_layers,
                                                     NUM_VISION_LAYERS, **inits))
-    model.add_mixin("rotary", LlamaVisionExpertAttnMixin(args.hidden_size, args.num_attention_heads,
+    model.add_mixin("rotary", attention_mixin(args.hidden_size, args.num_attention_heads,
                                                          args.num_layers, NUM_VISION_LAYERS, **inits))
 
 
@@ -65,6 +67,8 @@ def _add_finetune_args(parser, title):
 
 
 class CogVLMModel(LLaMAModel):
+    vision_expert_mixins = (LlamaVisionExpertFCMixin, LlamaVisionExpertAttnMixin)
+
     def __init__(self, args, transformer=None, params_dtype=torch.float, parallel_output=None, **kwargs):
         _check_image_length(args)
         placement = init_llama_base(self, args, transformer=transformer, params_dtype=params_dtype,
@@ -101,6 +105,8 @@ class FineTuneTrainCogVLMModel(CogVLMModel):
 
 
 class CogAgentModel(LLaMAModel):
+    vision_expert_mixins = (LlamaVisionExpertFCMixin, LlamaVisionExpertAttnMixin)
+
     def __init__(self, args, transformer=None, params_dtype=torch.float, parallel_output=None, **kwargs):
         _check_image_length(args)
         width = encoder_config(getattr(args, "encoder_args", None))["width"]

@@ -12,6 +12,10 @@ Differences from upstream, none of which changes a parameter name or shape:
   uninitialised memory.
 * The language weights are read from the layer at call time, so SAT's ``LoraMixin`` (which
   replaces ``attention.query_key_value`` etc.) applies to the language path as upstream.
+* Tokens are routed to the experts without boolean-mask gathers (:mod:`.routing`): the mask is read once
+  per step, not three times per layer; the rotary cache's length likewise. :func:`expert_mlp_forward` and
+  :func:`expert_attention_forward` read only upstream's attribute names, so a CogVLM fork's own mixin
+  classes take them too (``sat_patches.patches.fork_models``).
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 from sat.mpu.utils import divide, split_tensor_along_last_dim
 from sat.transformer_defaults import attention_fn_default
 
+from ..runtime.tensor_memo import TensorMemo
 from .placement import Placement
+from .routing import ExpertRouting, expert_routing
 
 
 def vision_layers(num_layers: int, num_vision_layers: int, vision_layer_range: Optional[Sequence[int]]):
@@ -36,25 +42,20 @@ def vision_layers(num_layers: int, num_vision_layers: int, vision_layer_range: O
     return [int(i) for i in vision_layer_range]
 
 
-def expert_mask_for(layer_id: int, layer_range, kw_args) -> Optional[torch.Tensor]:
-    """The boolean vision-token mask when this layer routes tokens to experts, else None."""
+def routing_for(layer_id: int, layer_range, kw_args) -> Optional[ExpertRouting]:
+    """How this layer routes tokens to its experts; None when every token takes the language path."""
     mask = kw_args.get("vision_expert_mask")
     if layer_id not in layer_range or mask is None:
         return None
-    mask = mask.bool()
-    return mask if bool(mask.any()) else None
+    return expert_routing(mask)
 
 
-def route(x: torch.Tensor, mask: Optional[torch.Tensor], language: Callable, vision: Callable) -> torch.Tensor:
-    """Apply ``language`` to the tokens outside ``mask`` and ``vision`` to those inside."""
-    if mask is None:
-        return language(x)
-    lang_out = language(x[~mask])
-    vis_out = vision(x[mask])
-    out = lang_out.new_empty(*x.shape[:-1], lang_out.shape[-1])
-    out[~mask] = lang_out
-    out[mask] = vis_out.to(lang_out.dtype)
-    return out
+def route(x: torch.Tensor, routing: Optional[ExpertRouting], language: Callable, vision: Callable) -> torch.Tensor:
+    return language(x) if routing is None else routing.apply(x, language, vision)
+
+
+max_position = TensorMemo(lambda position_ids: int(position_ids.max()))
+"""The largest position of a batch, read once per step (the rotary cache's length)."""
 
 
 def _expert_dict(layer_range, build) -> nn.ModuleDict:
@@ -88,21 +89,7 @@ class LlamaVisionExpertFCMixin(BaseMixin):
         self.vision_gate_proj = _expert_dict(self.vision_layer_range, lambda: column("vision_gate_proj"))
 
     def mlp_forward(self, hidden_states, **kw_args):
-        layer_id = int(kw_args["layer_id"])
-        mlp = self.transformer.layers[layer_id].mlp
-        act = mlp.activation_func
-        gate = self.gate_proj[layer_id]
-
-        def language(x):
-            return mlp.dense_4h_to_h(act(gate(x)) * mlp.dense_h_to_4h(x))
-
-        def vision(x):
-            key = str(layer_id)
-            up = self.vision_dense_h_to_4h_list[key](x)
-            return self.vision_dense_4h_to_h_list[key](act(self.vision_gate_proj[key](x)) * up)
-
-        mask = expert_mask_for(layer_id, self.vision_layer_range, kw_args)
-        return route(hidden_states, mask, language, vision).contiguous()
+        return expert_mlp_forward(self, hidden_states, **kw_args)
 
     def copy_param(self):
         """Initialise each expert from its layer's language weights (upstream ``copy_param``)."""
@@ -145,29 +132,7 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                 module=self, name="vision_dense", **place.parallel_kwargs(output_layer=True)))
 
     def attention_forward(self, hidden_states, mask, **kw_args):
-        layer_id = int(kw_args["layer_id"])
-        attention = self.transformer.layers[layer_id].attention
-        attention_fn = attention.hooks.get("attention_fn", attention_fn_default)
-        key = str(layer_id)
-        expert_mask = (expert_mask_for(layer_id, self.vision_layer_range, kw_args)
-                       if self.use_vision_expert else None)
-
-        mixed = route(hidden_states, expert_mask, attention.query_key_value,
-                      lambda x: self.vision_query_key_value_list[key](x))
-        query, key_layer, value = (attention._transpose_for_scores(t)
-                                   for t in split_tensor_along_last_dim(mixed, 3))
-        position_ids = kw_args["position_ids"]
-        query, key_layer = self.rotary_emb(query, key_layer, position_ids, max_seqlen=position_ids.max() + 1,
-                                           layer_id=kw_args["layer_id"])
-        dropout_fn = attention.attention_dropout if attention.training else None
-        context = attention_fn(query, key_layer, value, mask, dropout_fn, **kw_args)
-        context = context.permute(0, 2, 1, 3).contiguous()
-        context = context.view(*context.shape[:-2], attention.hidden_size_per_partition)
-
-        output = route(context, expert_mask, attention.dense, lambda x: self.vision_dense_list[key](x))
-        if attention.training:
-            output = attention.output_dropout(output)
-        return output.contiguous()
+        return expert_attention_forward(self, hidden_states, mask, **kw_args)
 
     def copy_param(self):
         """Initialise each expert from its layer's language weights (upstream ``copy_param``)."""
@@ -176,3 +141,51 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                 attention = self.transformer.layers[i].attention
                 self.vision_query_key_value_list[str(i)].weight.copy_(attention.query_key_value.weight)
                 self.vision_dense_list[str(i)].weight.copy_(attention.dense.weight)
+
+
+def expert_mlp_forward(mixin, hidden_states, **kw_args):
+    """The gated MLP of layer ``layer_id``, vision tokens through the layer's vision expert. ``mixin`` has
+    upstream's attributes (``gate_proj``, ``vision_*_list``, ``vision_layer_range``): this serves CogVLM's
+    own mixin class too."""
+    layer_id = int(kw_args["layer_id"])
+    mlp = mixin.transformer.layers[layer_id].mlp
+    act = mlp.activation_func
+    gate = mixin.gate_proj[layer_id]
+    key = str(layer_id)
+
+    def language(x):
+        return mlp.dense_4h_to_h(act(gate(x)) * mlp.dense_h_to_4h(x))
+
+    def vision(x):
+        up = mixin.vision_dense_h_to_4h_list[key](x)
+        return mixin.vision_dense_4h_to_h_list[key](act(mixin.vision_gate_proj[key](x)) * up)
+
+    routing = routing_for(layer_id, mixin.vision_layer_range, kw_args)
+    return route(hidden_states, routing, language, vision).contiguous()
+
+
+def expert_attention_forward(mixin, hidden_states, mask, **kw_args):
+    """Rotary self-attention of layer ``layer_id``, vision tokens through the vision expert's QKV and dense
+    (upstream's attributes, as :func:`expert_mlp_forward`). The rotary cache's length is read once per step."""
+    layer_id = int(kw_args["layer_id"])
+    attention = mixin.transformer.layers[layer_id].attention
+    attention_fn = attention.hooks.get("attention_fn", attention_fn_default)
+    key = str(layer_id)
+    routing = routing_for(layer_id, mixin.vision_layer_range, kw_args) if mixin.use_vision_expert else None
+
+    mixed = route(hidden_states, routing, attention.query_key_value,
+                  lambda x: mixin.vision_query_key_value_list[key](x))
+    query, key_layer, value = (attention._transpose_for_scores(t)
+                               for t in split_tensor_along_last_dim(mixed, 3))
+    position_ids = kw_args["position_ids"]
+    query, key_layer = mixin.rotary_emb(query, key_layer, position_ids, max_seqlen=max_position(position_ids) + 1,
+                                        layer_id=kw_args["layer_id"])
+    dropout_fn = attention.attention_dropout if attention.training else None
+    context = attention_fn(query, key_layer, value, mask, dropout_fn, **kw_args)
+    context = context.permute(0, 2, 1, 3).contiguous()
+    context = context.view(*context.shape[:-2], attention.hidden_size_per_partition)
+
+    output = route(context, routing, attention.dense, lambda x: mixin.vision_dense_list[key](x))
+    if attention.training:
+        output = attention.output_dropout(output)
+    return output.contiguous()

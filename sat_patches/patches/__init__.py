@@ -16,8 +16,8 @@ from ..core.registry import REGISTRY
 # rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
 # installed) the ``import sat`` in the modules below fails.
 from . import rotary  # noqa: I001
-from . import (standins, adapters, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
-               hangs, ledger, loading, lora, preprocess, progress, resume, trainable)
+from . import (standins, adapters, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
+               fork_models, hangs, ledger, loading, lora, preprocess, progress, resume, trainable)
 
 # Innermost first.
 MODULES = [
@@ -39,6 +39,8 @@ MODULES = [
     adapters,
     checkpointing,
     preprocess,
+    attention,
+    fork_models,
 ]
 
 # Innermost first: each patch wraps the ones above it, so its code runs first on the way in and last on the

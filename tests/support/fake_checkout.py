@@ -9,6 +9,9 @@
     utils/models/__init__.py                  CogVLMModel, FineTuneTrainCogVLMModel, CogAgentModel,
     utils/models/cogvlm_model.py              FineTuneTrainCogAgentModel
     utils/models/cogagent_model.py
+    utils/models/mixin.py                     the vision-expert mixins, routing tokens with boolean masks
+                                              in the shape of upstream's (what sat_patches' fork patches
+                                              recognise and replace)
     utils/utils/__init__.py                   llama2_tokenizer, llama2_text_processor,
                                               get_image_processor, ItemDataset
 
@@ -29,9 +32,82 @@ from .cogvlm_model import CogVLMModel, FineTuneTrainCogVLMModel
 from .cogagent_model import CogAgentModel, FineTuneTrainCogAgentModel
 '''
 
+MIXIN_FILE = '''\
+"""Vision-expert mixins (synthetic checkout): parameters from sat_patches.cogvlm, forwards written here in the
+shape of upstream's utils/models/mixin.py: tokens routed with boolean masks in every layer."""
+import torch
+from sat import mpu
+from sat.transformer_defaults import attention_fn_default
+from sat.mpu.utils import split_tensor_along_last_dim
+
+from sat_patches.cogvlm import vision_expert as _impl
+
+
+class LlamaVisionExpertFCMixin(_impl.LlamaVisionExpertFCMixin):
+    def mlp_forward(self, hidden_states, **kw_args):
+        mixin_self, self = self, self.transformer.layers[kw_args["layer_id"]].mlp
+        vision_expert_mask = kw_args.get("vision_expert_mask")
+        layer = kw_args["layer_id"]
+        key = str(int(layer))
+
+        def language(x):
+            return self.dense_4h_to_h(self.activation_func(mixin_self.gate_proj[layer](x)) * self.dense_h_to_4h(x))
+
+        if layer in mixin_self.vision_layer_range and vision_expert_mask is not None and vision_expert_mask.any():
+            mask = vision_expert_mask.bool()
+            output = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, device=hidden_states.device)
+            output[~mask] = language(hidden_states[~mask])
+            vision = hidden_states[mask]
+            up = mixin_self.vision_dense_h_to_4h_list[key](vision)
+            up *= self.activation_func(mixin_self.vision_gate_proj[key](vision))
+            output[mask] = mixin_self.vision_dense_4h_to_h_list[key](up)
+        else:
+            output = language(hidden_states)
+        return output.contiguous()
+
+
+class LlamaVisionExpertAttnMixin(_impl.LlamaVisionExpertAttnMixin):
+    def attention_forward(self, hidden_states, mask, **kw_args):
+        mixin_self, self = self, self.transformer.layers[kw_args["layer_id"]].attention
+        attention_fn = self.hooks.get("attention_fn", attention_fn_default)
+        vision_expert_mask = kw_args.get("vision_expert_mask")
+        key = str(int(kw_args["layer_id"]))
+        routed = (mixin_self.use_vision_expert and kw_args["layer_id"] in mixin_self.vision_layer_range
+                  and vision_expert_mask is not None and vision_expert_mask.any())
+        if routed:
+            expert = vision_expert_mask.bool()
+            width = hidden_states.shape[-1] * 3 // mpu.get_model_parallel_world_size()
+            mixed = torch.empty((*hidden_states.shape[:-1], width), dtype=hidden_states.dtype,
+                                device=hidden_states.device)
+            mixed[~expert] = self.query_key_value(hidden_states[~expert])
+            mixed[expert] = mixin_self.vision_query_key_value_list[key](hidden_states[expert])
+        else:
+            mixed = self.query_key_value(hidden_states)
+        query, key_layer, value = (self._transpose_for_scores(t) for t in split_tensor_along_last_dim(mixed, 3))
+        position_ids = kw_args["position_ids"]
+        query, key_layer = mixin_self.rotary_emb(query, key_layer, position_ids, max_seqlen=position_ids.max() + 1,
+                                                 layer_id=kw_args["layer_id"])
+        context = attention_fn(query, key_layer, value, mask, self.attention_dropout if self.training else None,
+                               **kw_args)
+        context = context.permute(0, 2, 1, 3).contiguous()
+        context = context.view(*context.shape[:-2], self.hidden_size_per_partition)
+        if routed:
+            output = torch.empty((*context.shape[:-1], hidden_states.shape[-1]), dtype=hidden_states.dtype,
+                                 device=hidden_states.device)
+            output[~expert] = self.dense(context[~expert])
+            output[expert] = mixin_self.vision_dense_list[key](context[expert])
+        else:
+            output = self.dense(context)
+        if self.training:
+            output = self.output_dropout(output)
+        return output.contiguous()
+'''
+
 MODEL_FILE = '''\
-"""{kind} as SAT models (synthetic checkout: the layers come from sat_patches.cogvlm)."""
+"""{kind} as SAT models (synthetic checkout: the layers come from sat_patches.cogvlm, the vision-expert mixins
+from this checkout's mixin.py)."""
 from sat_patches.cogvlm import models as _impl
+from .mixin import LlamaVisionExpertAttnMixin, LlamaVisionExpertFCMixin
 
 EVA_OUTPUT_WIDTH = 1792  # fixed in upstream's ImageMixin (self.in_features = 1792)
 
@@ -44,12 +120,16 @@ def _check_eva_width(args):
 
 
 class {base}(_impl.{base}):
+    vision_expert_mixins = (LlamaVisionExpertFCMixin, LlamaVisionExpertAttnMixin)
+
     def __init__(self, args, transformer=None, **kwargs):
         _check_eva_width(args)
         super().__init__(args, transformer=transformer, **kwargs)
 
 
 class FineTuneTrain{base}(_impl.FineTuneTrain{base}):
+    vision_expert_mixins = (LlamaVisionExpertFCMixin, LlamaVisionExpertAttnMixin)
+
     def __init__(self, args, transformer=None, **kwargs):
         _check_eva_width(args)
         super().__init__(args, transformer=transformer, **kwargs)
@@ -181,6 +261,7 @@ def write_fake_checkout(dest: str) -> str:
         raise FileExistsError(f"{dest} already holds a checkout (finetune_demo/ or utils/): choose an empty directory")
     _write(os.path.join(dest, "utils", "__init__.py"), "")
     _write(os.path.join(dest, "utils", "models", "__init__.py"), MODELS_INIT)
+    _write(os.path.join(dest, "utils", "models", "mixin.py"), MIXIN_FILE)
     _write(os.path.join(dest, "utils", "utils", "__init__.py"), UTILS_INIT)
     for kind, spec in KINDS.items():
         _write(os.path.join(dest, "utils", "models", f"{kind}_model.py"),

@@ -1,0 +1,96 @@
+"""Routing tokens to CogVLM's language or vision expert without boolean-mask gathers.
+
+CogVLM's model code (THUDM/CogVLM ``utils/models/mixin.py``) routes every layer's tokens with the boolean
+``vision_expert_mask``: ``x[~mask]``, ``x[mask]``, ``out[mask] = ...``, three times per layer. Each such
+index asks the GPU how many tokens the mask holds (a host sync) and runs gather/scatter kernels; under
+activation checkpointing all of it again in every recomputed layer.
+
+Here the mask is read once per step (:data:`expert_routing`, memoised per mask tensor) into an
+:class:`ExpertRouting`:
+
+* ``block``: every row holds its vision tokens in one run of positions, the same in each row. CogVLM lays
+  every sample out so (BOS, boi, the image patches, eoi, text): slices and concatenations route it;
+* ``index``: any other layout: flat index tensors, made once, used by ``index_select``/``index_copy``
+  (no host sync per layer);
+* ``language``/``vision``: every token goes to one expert.
+
+:meth:`ExpertRouting.apply` computes the same values as the boolean-mask code: each token goes through
+the same expert; only how the rows are gathered differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..runtime.tensor_memo import TensorMemo
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertRouting:
+    """Which tokens of a ``[batch, tokens]`` mask go to the vision expert."""
+
+    kind: str  # "language", "vision", "block" or "index"
+    start: int = 0  # block: the vision tokens are positions [start, end) of every row
+    end: int = 0
+    language_index: Optional[torch.Tensor] = None  # index: flat positions (row * tokens + column)
+    vision_index: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of_mask(cls, mask: torch.Tensor) -> "ExpertRouting":
+        """Read the mask (one copy to the host) and choose the cheapest routing that is exact for it."""
+        where = mask.detach().bool().cpu()
+        if where.dim() != 2:
+            raise ValueError(f"vision_expert_mask must be [batch, tokens], got shape {tuple(mask.shape)}")
+        if not bool(where.any()):
+            return cls("language")
+        if bool(where.all()):
+            return cls("vision")
+        positions = where[0].nonzero().flatten()
+        if len(positions):
+            start, end = int(positions[0]), int(positions[-1]) + 1
+            if end - start == len(positions) and bool((where == where[0]).all()):
+                return cls("block", start=start, end=end)
+        flat = where.flatten()
+        return cls("index", language_index=(~flat).nonzero().flatten().to(mask.device),
+                   vision_index=flat.nonzero().flatten().to(mask.device))
+
+    def apply(self, x: torch.Tensor, language: Callable, vision: Callable) -> torch.Tensor:
+        """``language`` on the language tokens of ``x`` (``[batch, tokens, features]``), ``vision`` on the
+        others, put back in place; the result has ``language``'s dtype."""
+        if self.kind == "language":
+            return language(x)
+        if self.kind == "vision":
+            return vision(x)
+        if self.kind == "block":
+            return self._apply_block(x, language, vision)
+        return self._apply_index(x, language, vision)
+
+    def _apply_block(self, x, language, vision):
+        s, e = self.start, self.end
+        lang = language(torch.cat([x[:, :s], x[:, e:]], dim=1))
+        vis = vision(x[:, s:e]).to(lang.dtype)
+        return torch.cat([lang[:, :s], vis, lang[:, s:]], dim=1)
+
+    def _apply_index(self, x, language, vision):
+        flat = x.reshape(-1, x.shape[-1])
+        lang = language(flat.index_select(0, self.language_index))
+        vis = vision(flat.index_select(0, self.vision_index)).to(lang.dtype)
+        out = lang.new_empty(flat.shape[0], lang.shape[-1])
+        out = out.index_copy(0, self.language_index, lang).index_copy(0, self.vision_index, vis)
+        return out.view(*x.shape[:-1], lang.shape[-1])
+
+
+expert_routing = TensorMemo(ExpertRouting.of_mask)
+"""The routing of a ``vision_expert_mask``, read once per mask (see :mod:`sat_patches.runtime.tensor_memo`)."""
+
+
+def route_by_mask(x: torch.Tensor, mask: torch.Tensor, language: Callable, vision: Callable) -> torch.Tensor:
+    """The boolean-mask routing of CogVLM's own code, kept as the reference the fast paths are checked against."""
+    mask = mask.bool()
+    lang = language(x[~mask])
+    out = lang.new_empty(*x.shape[:-1], lang.shape[-1])
+    out[~mask] = lang
+    out[mask] = vision(x[mask]).to(lang.dtype)
+    return out

@@ -1,0 +1,48 @@
+"""Patches of modules that are not SAT's and may be imported late, or never: a CogVLM fork's model code.
+
+A fork's ``utils/models/mixin.py`` is imported by its finetune demo after ``import sat`` (and after the
+patches went on), from the checkout's root on ``sys.path``. Importing it ourselves would import whatever
+``utils`` package the process can see, so an :class:`OnImportPatch` waits: while its module is not imported
+its status is ``waiting``, and it is applied by a post-import hook the moment the module's own code has run,
+through the same gate on the code's shape as every patch.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from .after_import import AfterImport
+from .registry import Patch
+
+
+class OnImportPatch(Patch):
+    _hook: Optional[AfterImport] = None
+
+    @property
+    def module_name(self) -> str:
+        return self.target.partition(":")[0]
+
+    def _owner_and_attr(self):
+        if self.module_name not in sys.modules:  # never imported from here: see the module's docstring
+            raise LookupError(f"{self.module_name} is not imported")
+        return super()._owner_and_attr()
+
+    def apply(self, force: bool = False, aliases=None) -> None:
+        if self.module_name in sys.modules:
+            self._disarm()
+            return super().apply(force=force, aliases=aliases)
+        if self._hook is None:
+            self._hook = AfterImport(self.module_name, lambda: self.apply(force=force))
+            self._hook.arm()
+        self.status, self.reason = "waiting", f"applied when {self.module_name} is imported"
+
+    def restore(self) -> None:
+        self._disarm()
+        if self.status == "waiting":
+            self.status, self.reason = "restored", ""
+        super().restore()
+
+    def _disarm(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -1,0 +1,61 @@
+"""Patches of a CogVLM fork's own model code: its vision-expert mixins route tokens without boolean masks.
+
+The drop-in finetune scripts run the fork's ``finetune_demo/finetune_cog*_demo.py``, whose models take
+their vision-expert mixins from the fork's ``utils/models/mixin.py`` (THUDM/CogVLM's, as released). Their
+``mlp_forward``/``attention_forward`` route tokens with ``x[mask]``/``out[mask] = ...`` three times per
+layer: a host sync and gather/scatter kernels each, again in every recomputed layer. They are replaced by
+:func:`sat_patches.cogvlm.vision_expert.expert_mlp_forward` and ``expert_attention_forward`` (the mask read
+once per step, :mod:`sat_patches.cogvlm.routing`), which read the same attributes and compute the same
+values. The fork's module is patched when the demo imports it (:mod:`sat_patches.core.on_import`).
+"""
+from __future__ import annotations
+
+from ..cogvlm.vision_expert import expert_attention_forward, expert_mlp_forward
+from ..core.on_import import OnImportPatch
+from ..core.registry import code_names
+
+MIXINS = "utils.models.mixin"
+VERIFIED_ON = "THUDM/CogVLM utils/models/mixin.py (f7283b2)"
+
+
+def expect_code(*names: str):
+    """Gate: the fork's method refers to each of ``names``, as an attribute or a string key of ``kw_args``."""
+    def check(original):
+        code = getattr(original, "__code__", None)
+        strings = {c for c in getattr(code, "co_consts", ()) if isinstance(c, str)}
+        missing = [n for n in names if n not in code_names(original) | strings]
+        return f"its code no longer refers to {', '.join(missing)}" if missing else None
+    return check
+
+
+def _mlp_forward(original):
+    """THUDM/CogVLM utils/models/mixin.py LlamaVisionExpertFCMixin.mlp_forward: boolean-mask routing."""
+    def mlp_forward(self, hidden_states, **kw_args):
+        return expert_mlp_forward(self, hidden_states, **kw_args)
+    return mlp_forward
+
+
+def _attention_forward(original):
+    """THUDM/CogVLM utils/models/mixin.py LlamaVisionExpertAttnMixin.attention_forward: boolean-mask routing and a
+    tensor ``max_seqlen`` (a host sync in the rotary cache) per layer."""
+    def attention_forward(self, hidden_states, mask, **kw_args):
+        return expert_attention_forward(self, hidden_states, mask, **kw_args)
+    return attention_forward
+
+
+PATCHES = [
+    OnImportPatch("fork_expert_routing_mlp", f"{MIXINS}:LlamaVisionExpertFCMixin.mlp_forward", _mlp_forward,
+                  answers="a fork's vision-expert MLP gathers tokens with boolean masks: host syncs per layer",
+                  verified_on=VERIFIED_ON,
+                  expect=expect_code("vision_expert_mask", "layer_id", "gate_proj", "vision_gate_proj",
+                                     "vision_dense_h_to_4h_list", "vision_dense_4h_to_h_list", "vision_layer_range",
+                                     "activation_func", "dense_h_to_4h", "dense_4h_to_h")),
+    OnImportPatch("fork_expert_routing_attention", f"{MIXINS}:LlamaVisionExpertAttnMixin.attention_forward",
+                  _attention_forward,
+                  answers="a fork's vision-expert attention gathers tokens with boolean masks: host syncs per layer",
+                  verified_on=VERIFIED_ON,
+                  expect=expect_code("vision_expert_mask", "layer_id", "position_ids", "use_vision_expert",
+                                     "vision_layer_range", "vision_query_key_value_list", "vision_dense_list",
+                                     "rotary_emb", "query_key_value", "dense", "_transpose_for_scores",
+                                     "hidden_size_per_partition")),
+]

@@ -1,0 +1,193 @@
+"""Expert routing without boolean-mask gathers: the same values and gradients as the masks, the mask read once
+per step (also under activation checkpointing), and SAT's attention choosing its kernel without a sync per layer."""
+import sat_patches  # noqa: F401  (first: makes ``import sat`` work here)
+
+import pytest
+import torch
+
+from sat.model.base_model import get_model
+
+from sat_patches.cogvlm import model_class_for, tiny_args, vision_expert
+from sat_patches.cogvlm.routing import ExpertRouting, expert_routing, route_by_mask
+from sat_patches.kernels.attention import mask_kind
+from sat_patches.runtime.tensor_memo import TensorMemo
+from sat_patches.testing import patches_removed
+
+COGVLM_LAYOUT = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0]] * 3)  # BOS, boi, patches, eoi, text
+
+
+def experts(width=8, out=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    language, vision = torch.nn.Linear(width, out), torch.nn.Linear(width, out)
+    for layer in (language, vision):
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+    return language, vision
+
+
+@pytest.mark.parametrize("mask, kind", [
+    (COGVLM_LAYOUT, "block"),
+    (torch.tensor([[1, 1, 0, 0, 0]] * 2), "block"),                     # at the start
+    (torch.tensor([[0, 0, 0, 1, 1]] * 2), "block"),                     # at the end
+    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]]), "index"),        # rows differ
+    (torch.tensor([[0, 1, 0, 1, 0], [0, 1, 0, 1, 0]]), "index"),        # not one run
+    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), "index"),        # a text-only row
+    (torch.zeros(2, 5, dtype=torch.long), "language"),
+    (torch.ones(2, 5, dtype=torch.long), "vision"),
+])
+def test_routing_gives_the_masks_values_and_gradients(mask, kind):
+    routing = ExpertRouting.of_mask(mask)
+    assert routing.kind == kind
+    language, vision = experts()
+    x = torch.randn(*mask.shape, 8, requires_grad=True)
+    fast = routing.apply(x, language, vision)
+    reference = route_by_mask(x, mask, language, vision) if mask.any() else language(x)
+    assert torch.equal(fast, reference)
+    grads = [torch.autograd.grad(out.square().sum(), [x, language.weight, vision.weight], allow_unused=True)
+             for out in (fast, reference)]
+    for a, b in zip(*grads):  # (an expert given no token: no gradient, or zeros from an empty gather)
+        a, b = (torch.zeros(()) if g is None else g for g in (a, b))
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_mask_of_another_shape_is_refused():
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        ExpertRouting.of_mask(torch.ones(2, 3, 4))
+
+
+def test_the_memo_serves_detached_copies_and_sees_in_place_writes():
+    seen = []
+    memo = TensorMemo(lambda t: seen.append(1) or int(t.sum()))
+    mask = torch.tensor([[0, 1, 1, 0]])
+    assert memo(mask) == 2 and memo(mask.detach()) == 2 and len(seen) == 1  # recomputation's copies share it
+    mask[0, 0] = 1
+    assert memo(mask) == 3 and len(seen) == 2                                 # an in-place write is seen
+    assert memo(mask[:, 1:]) == 2 and len(seen) == 3                          # another view of the storage
+    del mask
+    assert len(memo._entries) == 0                                           # nothing kept alive
+
+
+def build(checkpointing, seed=0):
+    args = tiny_args("cogvlm", checkpoint_activations=checkpointing)
+    torch.manual_seed(seed)
+    model = get_model(args, model_class_for("cogvlm"))
+    model.train()
+    return model, args
+
+
+def batch_for(args, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, image = args.max_length, args.image_length
+    input_ids = torch.randint(3, args.vocab_size, (batch, n), generator=g)
+    vision_expert_mask = torch.zeros(batch, n, dtype=torch.long)
+    vision_expert_mask[:, 1:image + 2] = 1        # boi and the patches (the text processor's layout)
+    image_embed_mask = torch.zeros(batch, n, dtype=torch.long)
+    image_embed_mask[:, 1:image + 3] = 1          # boi, the patches, eoi
+    size = args.eva_args["image_size"][0]
+    return dict(input_ids=input_ids, position_ids=torch.arange(n).repeat(batch, 1),
+                attention_mask=torch.ones(n, n).tril()[None, None].repeat(batch, 1, 1, 1),
+                vision_expert_mask=vision_expert_mask, image_embed_mask=image_embed_mask,
+                vision_image=torch.randn(batch, 3, size, size, generator=g),
+                vision_input_ids=torch.zeros(batch, 1, dtype=torch.long), vision_position_ids=None,
+                vision_attention_mask=torch.ones(batch, 1, dtype=torch.long))
+
+
+def step(model, batch):
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch)[0]
+    logits.float().square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class MaskRouting:
+    """CogVLM's own boolean-mask routing, put in place of the fast one."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def apply(self, x, language, vision):
+        return route_by_mask(x, self.mask, language, vision)
+
+
+def mask_routing(layer_id, layer_range, kw_args):
+    mask = kw_args.get("vision_expert_mask")
+    return None if layer_id not in layer_range or mask is None else MaskRouting(mask)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_the_model_routed_by_block_equals_mask_routing(checkpointing, monkeypatch):
+    model, args = build(checkpointing)
+    batch = batch_for(args)
+    assert expert_routing(batch["vision_expert_mask"]).kind == "block"
+    fast_logits, fast_grads = step(model, batch)
+    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
+    ref_logits, ref_grads = step(model, batch)
+    assert torch.allclose(fast_logits, ref_logits, rtol=0, atol=1e-5)
+    assert fast_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_a_ragged_batch_routes_by_index_with_the_same_values(monkeypatch):
+    model, args = build(False)
+    batch = batch_for(args)
+    batch["vision_expert_mask"][1] = 0           # a text-only sample beside one with an image
+    assert expert_routing(batch["vision_expert_mask"]).kind == "index"
+    fast_logits, fast_grads = step(model, batch)
+    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
+    ref_logits, ref_grads = step(model, batch)
+    assert torch.allclose(fast_logits, ref_logits, rtol=0, atol=1e-5)
+    for name in ref_grads:
+        assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def host_reads(model, batch):
+    """Operations that wait for the device on a GPU: a tensor read into Python, a count for a boolean index."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(model, batch)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return counts.get("aten::_local_scalar_dense", 0) + counts.get("aten::nonzero", 0)
+
+
+def test_a_checkpointed_step_reads_its_masks_once_not_per_layer(monkeypatch):
+    """The mask's routing, the rotary cache length and the attention mask's kind: one read each per step, also in
+    the recomputed layers; CogVLM's own routing and SAT's own attention read them in every layer, twice."""
+    model, args = build(True)
+    batch = batch_for(args)
+    before = (expert_routing.computed, vision_expert.max_position.computed, mask_kind.computed)
+    step(model, batch)
+    after = (expert_routing.computed, vision_expert.max_position.computed, mask_kind.computed)
+    assert [b - a for a, b in zip(before, after)] == [1, 1, 2]  # two attention masks: the language model's, EVA's
+    fast = host_reads(model, batch_for(args, seed=1))  # (a new batch: its reads counted alone)
+    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
+    with patches_removed("attention_mask_read_once"):
+        slow = host_reads(model, batch_for(args, seed=2))
+    layers = args.num_layers
+    assert slow - fast >= 2 * layers * 3, (fast, slow)  # per layer, forward and recomputation: at least 3 each
+
+
+@pytest.mark.parametrize("mask", [torch.ones(6, 6).tril(), torch.ones(6, 6), torch.ones(1, 1),
+                                  torch.tensor([[1., 1, 0, 0, 0, 0]]).repeat(6, 1)],
+                         ids=["causal", "full", "one", "padding"])
+def test_attention_gives_sats_values_with_the_mask_read_once(mask):
+    from sat.transformer_defaults import attention_fn_default
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    mask = mask[None, None]
+    with patches_removed("attention_mask_read_once"):
+        from sat.transformer_defaults import attention_fn_default as sats
+        expected = sats(q, k, v, mask)
+    assert attention_fn_default is not sats
+    before = mask_kind.computed
+    for _ in range(3):
+        assert torch.allclose(attention_fn_default(q, k, v, mask), expected, atol=1e-6)
+    assert mask_kind.computed - before == 1
+
+
+def test_attention_expands_grouped_key_value_heads_as_sat_does():
+    from sat.transformer_defaults import attention_fn_default
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.ones(6, 6).tril()[None, None]
+    with patches_removed("attention_mask_read_once"):
+        from sat.transformer_defaults import attention_fn_default as sats
+        expected = sats(q, k, v, mask)
+    assert torch.allclose(attention_fn_default(q, k, v, mask), expected, atol=1e-6)
