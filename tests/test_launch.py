@@ -11,7 +11,7 @@ import sys
 import sat_patches
 assert __name__ == "__main__"
 print("ARGV", sys.argv[1:])
-print("APPLIED", all(r["status"] == "applied" for r in sat_patches.status()))
+print("APPLIED", all(r["status"] in ("applied", "waiting") for r in sat_patches.status()))
 """
 
 

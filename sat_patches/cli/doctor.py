@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 import sat_patches
 
 from ..core import settings
-from ..core.registry import VERIFIED_SAT
+from ..core.registry import IN_ORDER, VERIFIED_SAT
 from ..planning import estimator as plan
 from .output import imports_print_to_stderr
 
@@ -415,14 +415,16 @@ def check_settings(f: Facts) -> Check:
 
 
 def check_patches(f: Facts) -> Check:
-    bad = [p for p in f.patches if p.get("status") not in ("applied", "disabled", "not needed")]
+    bad = [p for p in f.patches if p.get("status") not in IN_ORDER]
     disabled = [p["name"] for p in f.patches if p.get("status") == "disabled"]
     applied = sum(1 for p in f.patches if p.get("status") == "applied")
     if bad:
         return Check("patches", WARN, f"{len(bad)} not applied: " + "; ".join(f"{p['name']} ({p['status']}: "
                                                                             f"{p.get('reason', '')[:80]})" for p in bad[:3]),
                      "see `sat-patches status`; a skipped patch means SAT's code differs from " + VERIFIED_SAT)
-    text = f"{applied} applied" + (f", disabled: {', '.join(disabled)}" if disabled else "")
+    waiting = sum(1 for p in f.patches if p.get("status") == "waiting")
+    text = (f"{applied} applied" + (f", {waiting} waiting for a CogVLM fork's model code" if waiting else "")
+            + (f", disabled: {', '.join(disabled)}" if disabled else ""))
     return Check("patches", OK, text)
 
 

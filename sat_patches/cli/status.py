@@ -5,6 +5,7 @@ import json
 
 import sat_patches
 
+from ..core.registry import IN_ORDER
 from .output import imports_print_to_stderr
 
 
@@ -12,7 +13,7 @@ def cmd_status(args) -> int:
     with imports_print_to_stderr():
         rows = sat_patches.status()
     print(json.dumps(rows, indent=2) if args.json else sat_patches.format_status(rows))
-    return 0 if all(r["status"] in ("applied", "not needed", "disabled") for r in rows) else 1
+    return 0 if all(r["status"] in IN_ORDER for r in rows) else 1
 
 
 def add_parser(sub) -> None:

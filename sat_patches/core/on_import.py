@@ -4,7 +4,7 @@ A fork's ``utils/models/mixin.py`` is imported by its finetune demo after ``impo
 patches went on), from the checkout's root on ``sys.path``. Importing it ourselves would import whatever
 ``utils`` package the process can see, so an :class:`OnImportPatch` waits: while its module is not imported
 its status is ``waiting``, and it is applied by a post-import hook the moment the module's own code has run,
-through the same gate on the code's shape as every patch.
+through the same gate on the code's shape as every patch (and again whenever the module is imported afresh).
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ class OnImportPatch(Patch):
             raise LookupError(f"{self.module_name} is not imported")
         return super()._owner_and_attr()
 
+    def current(self):
+        """The target as it is now; None while its module is not imported."""
+        return super().current() if self.module_name in sys.modules else None
+
     def apply(self, force: bool = False, aliases=None) -> None:
+        self._arm(force)
         if self.module_name in sys.modules:
-            self._disarm()
             return super().apply(force=force, aliases=aliases)
-        if self._hook is None:
-            self._hook = AfterImport(self.module_name, lambda: self.apply(force=force))
-            self._hook.arm()
         self.status, self.reason = "waiting", f"applied when {self.module_name} is imported"
 
     def restore(self) -> None:
@@ -42,7 +43,13 @@ class OnImportPatch(Patch):
             self.status, self.reason = "restored", ""
         super().restore()
 
+    def _arm(self, force: bool) -> None:
+        """Watch every import of the module (a fresh import, e.g. in another checkout, is patched again)."""
+        if self._hook is None:
+            self._hook = AfterImport(self.module_name, lambda: self.apply(force=force))
+        if self._hook not in sys.meta_path:
+            sys.meta_path.insert(0, self._hook)
+
     def _disarm(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-            self._hook = None

@@ -21,6 +21,10 @@ VERIFIED_SAT = "0.4.12"
 """The SwissArmyTransformer release every patch's gate was written against."""
 
 
+IN_ORDER = ("applied", "not needed", "disabled", "waiting")
+"""Statuses that are no fault: ``waiting`` is a patch of a module not imported yet (a CogVLM fork's model code)."""
+
+
 class SatPatchesWarning(UserWarning):
     """A patch was skipped (SAT's code does not look as verified) or a setting was corrected."""
 
