@@ -118,3 +118,34 @@ def test_checkpoint_options_and_script_settings_carry_the_skip():
     assert plan.script_settings(s)["CHECKPOINT_SKIP_LAYERS"] == "10"
     assert plan.checkpoint_options(_setup(8, None)) == []
     assert plan.script_settings(_setup(8, None))["CHECKPOINT_ACTIVATIONS"] == "0"
+
+
+@pytest.mark.parametrize("gb, card", [(80, "h100"), (141, "h200")])
+def test_cli_prints_step_time_and_tokens_per_s_per_row_and_spends_spare_memory(capsys, gb, card):
+    from sat_patches.cli.main import main
+    assert main(["plan", "--model", "cogvlm-base-490", "--gpus", "1", "--gpu-mem", str(gb)]) == 0
+    out = capsys.readouterr().out
+    assert f"card: {card}, 989 TFLOP/s bf16 (assumed from {gb} GB" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("MP"))
+    assert header.split()[-3:] == ["step", "s", "tokens/s"]
+    rows = [line.split() for line in out.splitlines() if line.endswith("  ok")]
+    assert rows and all(float(r[-3]) > 0 and int(r[-2]) > 1000 for r in rows)
+    best = _recommend(gb).estimate.setup
+    assert f"checkpointed layers: all but {best.checkpoint_skip_layers}:" in out
+    assert f"--checkpoint-skip-layers {best.checkpoint_skip_layers}" in out
+    assert "tokens/s predicted" in out
+
+
+def test_cli_json_has_the_predicted_step_and_takes_a_card_by_name_or_tflops(capsys):
+    import json
+    from sat_patches.cli.main import main
+    args = ["plan", "--model", "cogvlm-base-490", "--gpus", "1", "--gpu-mem", "80", "--json"]
+    assert main(args + ["--gpu", "a100"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["card"] == {"name": "a100", "tflops": 312, "chosen": "given"}
+    assert all(o["step_seconds"] > 0 and o["tokens_per_s"] > 0 for o in slow["options"])
+    assert main(args + ["--tflops", "989"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["recommended"]["tokens_per_s"] > 2 * slow["recommended"]["tokens_per_s"]
+    with pytest.raises(SystemExit, match="unknown GPU"):
+        main(args + ["--gpu", "tpu"])
