@@ -15,7 +15,8 @@ ranks; bf16/fp16 unless fp32):
 * weights 2P; trainable gradients 2T (ZeRO-2: 2T/dp); fp32 master copy, fp32 gradients and Adam's
   two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
   fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
-* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
+* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set, except
+  SAT's ``checkpoint_skip_layers`` last layers (and the same share of EVA's), which keep their whole working set;
   else every layer's working set, per kind of layer (the vision-expert LLaMA layer, with CogAgent's cross
   attention; the EVA2-CLIP-E layer) as measured on the real model at full size
   (``benchmarks/calibration/layer_bytes.py``, ``benchmarks/plan_calibration.py``); the logits of the full
