@@ -4,7 +4,8 @@
 # Settings come from the environment; the defaults are upstream's:
 #   NUM_GPUS_PER_WORKER=8 MP_SIZE=1 NNODES=1 HOST_FILE= MICRO_BATCH= DS_CONFIG=zero2.json
 #   MODEL_TYPE=cogvlm-base-490 MAX_LENGTH=1288 LORA_RANK=10 TRAIN_ITERS=800
-# MICRO_BATCH empty: the largest that `sat-patches plan` finds fitting the GPUs, else DS_CONFIG's.
+# MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that `sat-patches plan` finds fitting the GPUs, else
+# DS_CONFIG's micro-batch and every layer checkpointed.
 # DS_CONFIG: zero2.json, zero2_offload.json, low_memory.json (installed with sat_patches) or a path.
 # QLORA=1: upstream's --use_qlora instead of --use_lora (an NF4 base; needs MP_SIZE=1).
 # RESUME=<run directory under SAVE_DIR> continues that run exactly; RESUME_ITERATION=N from its iteration N.

@@ -8,8 +8,10 @@ import sys
 from typing import List, Optional
 
 from ..core.registry import VERIFIED_SAT
-from ..planning.estimator import (GB, MODELS, Option, _preference, deepspeed_config, default_seq_len, model_parts,
-                                  options, parameter_count, recommend, resolve_model, script_settings,)
+from ..planning.estimator import (GB, MODELS, Option, _preference, checkpoint_options, deepspeed_config,
+                                  default_seq_len, model_parts, options, parameter_count, recommend, resolve_model,
+                                  script_settings,)
+from ..planning.timing import CARDS, card
 
 
 def _gb(x: float) -> str:
@@ -19,6 +21,13 @@ def _gb(x: float) -> str:
 def describe(config: dict) -> str:
     parts = model_parts(config)
     return ", ".join(f"{p.name} {p.total / 1e9:.2f} B" for p in parts if not p.buffer)
+
+
+def checkpointing(s) -> str:
+    """The layers checkpointed, as the table's column says it."""
+    if not s.checkpoint_activations:
+        return "none"
+    return "all" if not s.checkpoint_skip_layers else f"all but {s.checkpoint_skip_layers}"
 
 
 def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Option], args) -> str:
@@ -31,8 +40,14 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
         lines.append(f"model: {base / 1e9:.2f} B parameters ({describe(config)}); LoRA rank {s0.lora_rank} adds "
                      f"{(first.params - base) / 1e6:.1f} M; trainable {first.trainable / 1e6:.1f} M "
                      f"({'LoRA' if s0.train == 'lora' else 'LoRA + upstream demo set'}), {s0.dtype}, "
-                     f"max_length {s0.seq_len}, {'' if s0.checkpoint_activations else 'no '}activation checkpointing")
-    lines.append(" MP  ZeRO  offload  micro-batch  GB/GPU  host GB/node  stock-SAT host GB/node")
+                     f"max_length {s0.seq_len}")
+    gpu, how = args.card
+    hint = "" if how == "given" else "; --gpu NAME or --tflops N to set it"
+    lines.append(f"card: {gpu.name}, {gpu.tflops:g} TFLOP/s bf16 ({how}{hint}): step "
+                 f"time predicted from the useful FLOP, recomputed layers and a per-layer cost; the fastest setting "
+                 f"that fits is shown per row (checkpointed: the language layers, EVA's the same share)")
+    lines.append(" MP  ZeRO  offload  micro-batch  checkpointed  GB/GPU  host GB/node  stock-SAT host GB/node"
+                 "  step s  tokens/s")
     groups = {}
     for o in opts:
         s = o.estimate.setup
@@ -47,12 +62,12 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
             lines.append("QLoRA (NF4 base, LoRA on the language model; EVA, embeddings and LM head in bf16):")
             headed = True
         fitting = [o for o in group if o.viable]
-        o = max(fitting, key=lambda o: o.estimate.setup.micro_batch) if fitting else min(
-            group, key=lambda o: o.estimate.setup.micro_batch)
+        o = max(fitting, key=lambda o: o.time.tokens_per_s) if fitting else min(group, key=lambda o: o.estimate.per_gpu)
         e = o.estimate
         verdict = "ok" if o.viable else f"no: {o.reason}"
-        lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  {_gb(e.per_gpu)}"
-                     f"  {_gb(e.host_node):>12}  {_gb(e.host_stock_node):>22}  {verdict}")
+        lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  "
+                     f"{checkpointing(e.setup):>12}  {_gb(e.per_gpu)}  {_gb(e.host_node):>12}  "
+                     f"{_gb(e.host_stock_node):>22}  {o.time.seconds:6.2f}  {o.time.tokens_per_s:8.0f}  {verdict}")
     if bf16_fits and qlora_fits:
         q = min(qlora_fits, key=_preference).estimate
         lines.append(f"QLoRA (QLORA=1) fits too: {q.per_gpu / GB:.1f} GB per GPU at MP_SIZE=1, micro-batch "
@@ -65,12 +80,13 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
     lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
               f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
-              f" micro-batch {s.micro_batch}: {e.per_gpu / GB:.1f} GB per GPU, host {e.host_node / GB:.0f} GB per "
+              f" micro-batch {s.micro_batch}, checkpointed layers: {checkpointing(s)}: {e.per_gpu / GB:.1f} GB per GPU, "
+              f"{best.time.seconds:.2f} s per step, {best.time.tokens_per_s:.0f} tokens/s predicted, "
+              f"host {e.host_node / GB:.0f} GB per "
               f"node with sat_patches (stock SwissArmyTransformer {VERIFIED_SAT} peaks near "
               f"{e.host_stock_node / GB:.0f} GB per node)",
-              f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env);"
-              f" --max_length {s.seq_len}" + (" --checkpoint-activations --vit_checkpoint_activations"
-                                                if s.checkpoint_activations else ""),
+              f"finetune script: {env}  (LOCAL_WORLD_SIZE also in .deepspeed_env); "
+              + " ".join([f"--max_length {s.seq_len}", *checkpoint_options(s)]),
               "DeepSpeed config (--deepspeed_config): " + json.dumps(deepspeed_config(s))]
     return "\n".join(lines)
 
@@ -79,15 +95,22 @@ def cmd_plan(args) -> int:
     config = resolve_model(args.model)
     fields = dict(dtype=args.dtype, seq_len=args.max_length or default_seq_len(config), lora_rank=args.lora_rank,
                   train=args.train, checkpoint_activations=not args.no_checkpoint_activations)
+    try:
+        args.card = card(args.gpu, args.tflops, args.gpu_mem)
+    except ValueError as e:
+        raise SystemExit(f"sat-patches plan: {e}")
     opts = options(config, args.gpus, args.gpu_mem, args.host_mem, nodes=args.nodes, zero=args.zero,
                    offload=None if args.offload is None else args.offload == "cpu", micro_batch=args.micro_batch,
-                   **fields)
+                   gpu=args.card[0], checkpoint_skip_layers=args.checkpoint_skip_layers, **fields)
     best = recommend(opts)
     if args.json:
-        print(json.dumps({"model": args.model, "options": [dict(o.estimate.as_dict(), viable=o.viable, reason=o.reason)
-                                                           for o in opts],
+        gpu, how = args.card
+        print(json.dumps({"model": args.model, "card": dict(name=gpu.name, tflops=gpu.tflops, chosen=how),
+                          "options": [dict(o.estimate.as_dict(), viable=o.viable, reason=o.reason, **o.time.as_dict())
+                                      for o in opts],
                           "recommended": None if best is None else dict(
-                              best.estimate.as_dict(), script=script_settings(best.estimate.setup),
+                              best.estimate.as_dict(), **best.time.as_dict(), script=script_settings(best.estimate.setup),
+                              options=checkpoint_options(best.estimate.setup),
                               deepspeed_config=deepspeed_config(best.estimate.setup))}, indent=1))
     else:
         print(format_plan(args.model, config, opts, best, args))
@@ -111,6 +134,11 @@ def add_parser(sub) -> None:
     p.add_argument("--train", choices=["lora", "demo"], default="lora",
                    help="lora: LoRA matrices only; demo: what upstream's finetune_demo trains besides LoRA")
     p.add_argument("--no-checkpoint-activations", action="store_true")
+    p.add_argument("--checkpoint-skip-layers", type=int, default=None, metavar="N",
+                   help="only this many last language layers left out of checkpointing (default: the fastest that fits)")
+    p.add_argument("--gpu", default=None, help=f"the card, for the predicted step time: {', '.join(CARDS)} "
+                                                "(default: the one nearest in memory to --gpu-mem)")
+    p.add_argument("--tflops", type=float, default=None, help="the card's peak dense bf16 TFLOP/s, instead of --gpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

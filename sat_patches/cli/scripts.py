@@ -20,7 +20,8 @@ TEMPLATE = """#!/usr/bin/env bash
 # Settings come from the environment; the defaults are upstream's:
 #   {shared}
 #   {model}
-# MICRO_BATCH empty: the largest that `sat-patches plan` finds fitting the GPUs, else DS_CONFIG's.
+# MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that `sat-patches plan` finds fitting the GPUs, else
+# DS_CONFIG's micro-batch and every layer checkpointed.
 # DS_CONFIG: zero2.json, zero2_offload.json, low_memory.json (installed with sat_patches) or a path.
 # QLORA=1: upstream's --use_qlora instead of --use_lora (an NF4 base; needs MP_SIZE=1).
 # RESUME=<run directory under SAVE_DIR> continues that run exactly; RESUME_ITERATION=N from its iteration N.

@@ -20,6 +20,7 @@ from torch import nn
 
 from sat.model.base_model import BaseMixin
 
+from ..planning.timing import eva_skip_layers
 from .eva_clip import EVA2CLIPModel
 from .placement import Placement, make_module, zeros_parameter
 
@@ -52,13 +53,19 @@ _RUN_DEFAULTS = {"world_size": 1, "rank": 0, "local_rank": 0, "skip_init": False
 def vision_args(args, eva_args: dict) -> argparse.Namespace:
     """The EVA tower's arguments: the checkpoint's ``eva_args`` plus the run's distributed/dtype/device
     settings (upstream ``override_dist_dtype_device_args``). Outside inference the tower uses
-    ``--vit_checkpoint_activations`` when given and no dropout. ``args.eva_args`` is not modified
-    (upstream writes ``model_parallel_size`` into it)."""
+    ``--vit_checkpoint_activations`` when given and no dropout, leaving its last
+    ``--vit_checkpoint_skip_layers`` layers out of checkpointing (default: the same share of its layers as SAT's
+    ``--checkpoint-skip-layers`` leaves out of the language model's; upstream's tower has no such setting).
+    ``args.eva_args`` is not modified (upstream writes ``model_parallel_size`` into it)."""
     run = {k: getattr(args, k, _RUN_DEFAULTS[k]) for k in _RUN_ARGS}
     if run["mode"] != "inference":
         run["checkpoint_activations"] = getattr(args, "vit_checkpoint_activations",
                                                 getattr(args, "checkpoint_activations", False))
         run["checkpoint_num_layers"] = getattr(args, "checkpoint_num_layers", 1)
+        skip = getattr(args, "vit_checkpoint_skip_layers", None)
+        if skip is None and getattr(args, "checkpoint_skip_layers", 0) and "num_layers" in eva_args:
+            skip = eva_skip_layers(args.checkpoint_skip_layers, args.num_layers, eva_args["num_layers"])
+        run["checkpoint_skip_layers"] = skip or 0
         run["hidden_dropout"] = 0.0
         run["attention_dropout"] = 0.0
     merged = copy.deepcopy(dict(eva_args))

@@ -66,3 +66,8 @@ def upstream_config(name: str) -> dict:
     if "cross_image_pix" in config:
         config["encoder_args"] = {**EVA_CLIP_L_DEFAULTS, **config.get("encoder_args", {})}
     return config
+
+
+def cross_tokens(c: dict) -> int:
+    """Image tokens of CogAgent's high-resolution encoder (``c["encoder_args"]`` filled in)."""
+    return (c["cross_image_pix"] // c["encoder_args"]["patch_size"]) ** 2

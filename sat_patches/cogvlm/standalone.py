@@ -35,6 +35,9 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--from_pretrained", type=str, default=KINDS[kind].released, help="pretrained checkpoint")
     p.add_argument("--local_tokenizer", type=str, default="lmsys/vicuna-7b-v1.5", help="tokenizer path")
     p.add_argument("--vit_checkpoint_activations", action="store_true")
+    p.add_argument("--vit_checkpoint_skip_layers", type=int, default=None, metavar="N",
+                   help="the EVA tower's last N layers not checkpointed (default: the same share of its layers as "
+                        "--checkpoint-skip-layers leaves out of the language model's)")
     p.add_argument("--probe", default=None, help="after training, save logits on one validation batch here")
     p.add_argument("--evaluate", default=None, metavar="DIR",
                    help="after training, answer every validation sample and write predictions.jsonl and "

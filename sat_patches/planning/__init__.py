@@ -1,2 +1,2 @@
-"""Planning a run: the memory estimator (parameters, optimizer, activations per rank, host memory) and the
-recommended settings for a box."""
+"""Planning a run: the memory estimator (parameters, optimizer, activations per rank, host memory), the step-time
+model (:mod:`.timing`) and the recommended settings for a box: the fastest that fits."""

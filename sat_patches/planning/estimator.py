@@ -15,7 +15,8 @@ ranks; bf16/fp16 unless fp32):
 * weights 2P; trainable gradients 2T (ZeRO-2: 2T/dp); fp32 master copy, fp32 gradients and Adam's
   two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
   fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
-* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set,
+* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set, except
+  SAT's ``checkpoint_skip_layers`` last layers (and the same share of EVA's), which keep their whole working set;
   else every layer's working set, per kind of layer (the vision-expert LLaMA layer, with CogAgent's cross
   attention; the EVA2-CLIP-E layer) as measured on the real model at full size
   (``benchmarks/calibration/layer_bytes.py``, ``benchmarks/plan_calibration.py``); the logits of the full
@@ -35,12 +36,13 @@ import copy
 import itertools
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
-from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, upstream_config
+from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, cross_tokens, upstream_config
 from ..core import settings
 from ..core.kinds import KINDS
+from .timing import Card, StepTime, card, checkpointed_layers, eva_skip_layers, eva_trains, step_time
 
 GB = 1e9
 GiB = 2 ** 30
@@ -145,11 +147,6 @@ def eva_parts(c: dict) -> List[Part]:
     return [tower, Part("GLU adapter", 0, glu)]
 
 
-def cross_tokens(c: dict) -> int:
-    """Image tokens of CogAgent's high-resolution encoder."""
-    return (c["cross_image_pix"] // c["encoder_args"]["patch_size"]) ** 2
-
-
 def cross_parts(c: dict) -> List[Part]:
     """CogAgent: cross attention in every language layer and the high-resolution EVA2-CLIP-L encoder."""
     if not c.get("cross_image_pix"):
@@ -239,6 +236,7 @@ class Setup:
     lora_eva: bool = True
     train: str = "lora"             # lora | demo (upstream finetune_demo's trainable set)
     checkpoint_activations: bool = True
+    checkpoint_skip_layers: int = 0  # the last N language layers not checkpointed (SAT's), the same share of EVA's
     qlora: bool = False             # NF4 base (upstream's --use_qlora): MP=1, LoRA on the language model only
     device: str = "cuda"            # cuda | cpu (CPU ranks: everything is host memory)
     reduce_bucket: float = 4e7      # zero_optimization.reduce_bucket_size (upstream's configs)
@@ -322,10 +320,13 @@ def cross_layer_bytes(c: dict, tokens: int, mp: int, wb: int) -> float:
     return wb * (n * (c["cross_attn_hidden_size"] + 2 * inner / mp) + tokens * (c["hidden_size"] + 2 * inner / mp))
 
 
-def _stack(per_layer: List[float], layer_input: float, checkpointed: bool) -> float:
-    """Activations of a stack of layers that keep ``per_layer`` each: with activation checkpointing each keeps
-    its input and one layer at a time is recomputed in backward."""
-    return len(per_layer) * layer_input + max(per_layer) if checkpointed else sum(per_layer)
+def _stack(per_layer: List[float], layer_input: float, checkpointed: int) -> float:
+    """Activations of a stack of layers that keep ``per_layer`` each when ``checkpointed`` of them (the first
+    ones) are: a checkpointed layer keeps its input; the others (SAT's ``checkpoint_skip_layers``, the last)
+    keep their whole working set until backward, which goes through them first and frees it before the first
+    checkpointed layer is recomputed, one at a time."""
+    kept, recomputed = per_layer[checkpointed:], per_layer[:checkpointed]
+    return checkpointed * layer_input + max(sum(kept), max(recomputed, default=0))
 
 
 def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
@@ -338,13 +339,14 @@ def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
 
 def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     wb, b, mp, t = s.weight_bytes, s.micro_batch, s.mp, s.seq_len
+    language_checkpointed, eva_checkpointed = checkpointed_layers(c, s)
     h, f, L = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"]
     one = b * LANGUAGE_LAYER.bytes(t, h, f, c["num_attention_heads"], mp, wb)
     if c.get("cross_image_pix"):
         one += b * cross_layer_bytes(c, t, mp, wb)
         if s.train == "demo":
             one += b * EXPERTS_TRAINED.bytes(c["image_length"] + 1, h, f, 0, mp, wb)
-    out = {"activations (language)": _stack([one] * L, b * t * h * wb, s.checkpoint_activations)}
+    out = {"activations (language)": _stack([one] * L, b * t * h * wb, language_checkpointed)}
     # the LM head gathers its output (ColumnParallelLinear, gather_output=True): every rank holds the full vocabulary;
     # at the loss's peak four fp32 (b, t, vocab) tensors are alive: the logits, their shifted copy, the log-softmax
     # and its gradient (benchmarks/calibration/live_bytes.py on the head and loss, at MP 1 and 2)
@@ -358,7 +360,7 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
         trained_mlp = _eva_mlp_trained_layers(c, s)
         layers = ([eva_layer(EVA_LAYER_MLP_TRAINED)] * trained_mlp
                   + [eva_layer(EVA_LAYER)] * (e["num_layers"] - trained_mlp))
-        out["activations (EVA)"] = (_stack(layers, b * et * e["hidden_size"] * wb, s.checkpoint_activations)
+        out["activations (EVA)"] = (_stack(layers, b * et * e["hidden_size"] * wb, eva_checkpointed)
                                     if eva_trains else eva_layer(EVA_LAYER))
     if c.get("cross_image_pix"):
         enc, n = c["encoder_args"], cross_tokens(c)
@@ -404,8 +406,7 @@ def estimate(config: dict, setup: Setup) -> Estimate:
         states = optimizer / dp
         (host if s.offload else device)["optimizer states" + (" (offloaded)" if s.offload else "")] = states
         device["ZeRO buckets"] = min(T, s.reduce_bucket) * wb * 2 + min(P, s.allgather_bucket) * wb * (s.zero >= 1)
-    eva_trains = bool(c.get("eva_args")) and (s.lora_eva and not s.qlora and s.lora_rank > 0 or s.train == "demo")
-    device.update(_activations(c, s, eva_trains))
+    device.update(_activations(c, s, eva_trains(c, s)))
     if s.device == "cuda":
         device["CUDA context, NCCL, allocator"] = GPU_RUNTIME
         host["process (torch, CUDA, SAT, DeepSpeed)"] = HOST_BASE_CUDA
@@ -438,6 +439,7 @@ class Option:
     fits_gpu: bool
     fits_host: bool
     reason: str = ""
+    time: Optional[StepTime] = None     # predicted on the card the options were made for
 
     @property
     def viable(self) -> bool:
@@ -448,10 +450,28 @@ def model_parallel_sizes(config: dict, world: int) -> List[int]:
     return [m for m in range(1, world + 1) if world % m == 0 and all(n % m == 0 for n in heads(config))]
 
 
+def _checkpointing(config: dict, setup: Setup, fits) -> List[Setup]:
+    """The checkpointing settings worth timing for ``setup``: every layer checkpointed (the least memory), the
+    most layers left out of it that still ``fits`` (SAT's ``checkpoint_skip_layers``: the fastest with
+    checkpointing; memory grows with it, so a bisection finds it) and none checkpointed."""
+    def skipping(k: int) -> Setup:
+        return replace(setup, checkpoint_activations=True, checkpoint_skip_layers=k)
+    low, high = 0, config["num_layers"] - 1          # SAT keeps at least one layer checkpointed
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(skipping(middle)) else (low, middle - 1)
+    return [skipping(k) for k in sorted({0, low})] + [replace(setup, checkpoint_activations=False)]
+
+
 def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[float] = None, nodes: int = 1,
             zero: Optional[int] = None, offload: Optional[bool] = None, micro_batch: Optional[int] = None,
+            gpu: Optional[Card] = None, checkpoint_skip_layers: Optional[int] = None,
             **setup_fields) -> List[Option]:
-    """Every (MP, ZeRO, offload, micro-batch) combination, each with its estimate and verdict."""
+    """Every (MP, ZeRO, offload, micro-batch, checkpointing) combination, each with its estimate, verdict and
+    predicted step on ``gpu`` (default: the card :func:`sat_patches.planning.timing.card` assumes from
+    ``gpu_mem_gb``). Checkpointing: all layers, the most left out that fit, none (:func:`_checkpointing`);
+    only ``checkpoint_skip_layers`` when given; none with ``checkpoint_activations=False``."""
+    gpu = gpu or card(memory_gb=gpu_mem_gb)[0]
     mps = model_parallel_sizes(config, gpus * nodes)
     zeros = [zero] if zero is not None else [0, 1, 2]
     offloads = [offload] if offload is not None else [False, True]
@@ -465,25 +485,33 @@ def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[fl
             continue  # DeepSpeed offloads the optimizer only under ZeRO
         if q and mp > 1:
             continue  # an NF4 base has no model-parallel forward
-        est = estimate(config, Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, qlora=q,
-                                     **setup_fields))
-        fits_gpu = est.per_gpu <= gpu_mem_gb * GB * (1 - GPU_MARGIN)
-        fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
-        reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
-        if not fits_host:
-            reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
-        out.append(Option(est, fits_gpu, fits_host, reason))
+        base = Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, qlora=q, **setup_fields)
+        if not base.checkpoint_activations:
+            setups = [base]
+        elif checkpoint_skip_layers is not None:
+            setups = [replace(base, checkpoint_skip_layers=checkpoint_skip_layers)]
+        else:
+            setups = _checkpointing(config, base, lambda s: estimate(config, s).per_gpu <= gpu_mem_gb * GB * (1 - GPU_MARGIN))
+        for setup in setups:
+            est = estimate(config, setup)
+            fits_gpu = est.per_gpu <= gpu_mem_gb * GB * (1 - GPU_MARGIN)
+            fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
+            reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
+            if not fits_host:
+                reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
+            out.append(Option(est, fits_gpu, fits_host, reason, step_time(config, setup, gpu.tflops)))
     return out
 
 
 def _preference(o: Option):
     s = o.estimate.setup
-    return (s.qlora, s.mp, s.offload, -s.micro_batch, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
+    return (s.qlora, s.mp, s.offload, -o.time.tokens_per_s, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
 
 
 def recommend(opts: List[Option]) -> Optional[Option]:
     """The viable option without QLoRA if there is one (a bf16 base), with the smallest MP (most data
-    parallelism), then no offload, then the largest micro-batch, then ZeRO-2 (upstream's stage)."""
+    parallelism), then no offload, then the most tokens per second predicted (micro-batch and checkpointing:
+    spare memory spent on speed), then ZeRO-2 (upstream's stage)."""
     viable = [o for o in opts if o.viable]
     return min(viable, key=_preference) if viable else None
 
@@ -509,11 +537,25 @@ def deepspeed_config(s: Setup) -> dict:
     return config
 
 
+def checkpoint_options(s: Setup) -> List[str]:
+    """The trainer options realising ``s``'s checkpointing: SAT's ``--checkpoint-activations`` and
+    ``--checkpoint-skip-layers`` for the language model, upstream's ``--vit_checkpoint_activations`` for EVA
+    (the standalone trainer leaves the same share of EVA's layers out)."""
+    if not s.checkpoint_activations:
+        return []
+    skip = ["--checkpoint-skip-layers", str(s.checkpoint_skip_layers)] if s.checkpoint_skip_layers else []
+    return ["--checkpoint-activations", "--vit_checkpoint_activations", *skip]
+
+
 def script_settings(s: Setup) -> Dict[str, str]:
     """Environment of upstream's finetune_*_lora.sh that realises ``s``."""
     settings = {"NUM_GPUS_PER_WORKER": str(s.gpus), "MP_SIZE": str(s.mp), "LOCAL_WORLD_SIZE": str(s.gpus)}
     if s.qlora:
         settings["QLORA"] = "1"
+    if not s.checkpoint_activations:
+        settings["CHECKPOINT_ACTIVATIONS"] = "0"
+    elif s.checkpoint_skip_layers:
+        settings["CHECKPOINT_SKIP_LAYERS"] = str(s.checkpoint_skip_layers)
     return settings
 
 

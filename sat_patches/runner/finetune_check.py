@@ -40,7 +40,7 @@ def _int(env: dict, name: str, default: Optional[int], errors: List[str], minimu
         errors.append(f"{name}={raw!r} is not a whole number: set {name} to a positive integer, e.g. {name}={default or 1}.")
         return None
     if value < minimum:
-        errors.append(f"{name}={value} must be at least 1: set {name}={default or 1} or larger.")
+        errors.append(f"{name}={value} must be at least {minimum}: set {name}={default or minimum} or larger.")
         return None
     return value
 
@@ -140,6 +140,7 @@ def check(env: dict) -> List[str]:
     mp = _int(env, "MP_SIZE", 1, errors)
     nnodes = _int(env, "NNODES", 1, errors)
     _int(env, "MICRO_BATCH", None, errors)
+    _int(env, "CHECKPOINT_SKIP_LAYERS", None, errors, minimum=0)
     if None in (per_node, mp, nnodes):
         return errors
     world = per_node * nnodes

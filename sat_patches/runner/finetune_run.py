@@ -46,6 +46,7 @@ DEFAULTS = {
     "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
     "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
     "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
+    "CHECKPOINT_SKIP_LAYERS": "",  # the last N language layers not checkpointed; empty: the plan's choice, else 0
     "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
     "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
@@ -107,32 +108,55 @@ def gpu_memory_gb() -> Optional[float]:
     return min(sizes) / 1024 if out.returncode == 0 and sizes else None
 
 
-def planned_micro_batch(env: Dict[str, str], config: dict) -> Optional[int]:
-    """The largest micro-batch ``sat-patches plan`` finds viable for this run on the detected GPUs."""
+def read_config(name: str) -> dict:
+    with open(config_path(name)) as f:
+        return json.load(f)
+
+
+def planned(env: Dict[str, str], config: dict) -> Optional[plan.Setup]:
+    """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE`` and the
+    DeepSpeed config's ZeRO stage and offload (and ``MICRO_BATCH``, ``CHECKPOINT_SKIP_LAYERS`` where set): the
+    fastest that fits, on the card assumed from the GPUs' memory. None where the plan cannot tell (no GPU
+    memory figure, a model it does not know, nothing fits)."""
     memory = gpu_memory_gb()
     if memory is None:
         return None
     try:
         model = plan.resolve_model(env["MODEL_TYPE"])
-    except SystemExit:  # a model the plan does not know: keep the config's micro-batch
+    except SystemExit:  # a model the plan does not know: the config's micro-batch, every layer checkpointed
         return None
     zero = config.get("zero_optimization", {})
+    given = {k: int(env[k]) for k in ("MICRO_BATCH", "CHECKPOINT_SKIP_LAYERS") if env.get(k)}
     opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
                         zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
+                        micro_batch=given.get("MICRO_BATCH"), checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"),
                         seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
-                        qlora=env.get("QLORA") == "1")
-    fits = [o.estimate.setup.micro_batch for o in opts if o.viable and o.estimate.setup.mp == int(env["MP_SIZE"])]
-    return max(fits) if fits else None
+                        qlora=env.get("QLORA") == "1", checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
+    best = plan.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
+    return best.estimate.setup if best else None
 
 
-def run_config(env: Dict[str, str], name: str, save_dir: str) -> str:
+def checkpoint_options(env: Dict[str, str], choice: Optional[plan.Setup]) -> List[str]:
+    """``CHECKPOINT_ACTIVATIONS=1``: checkpointing (SAT's ``--checkpoint-activations``, upstream's
+    ``--vit_checkpoint_activations`` for EVA) except the last ``CHECKPOINT_SKIP_LAYERS`` language layers (SAT's
+    ``--checkpoint-skip-layers``); by default what the plan chose, which may be none at all where everything fits,
+    and every layer where the plan cannot tell. The standalone trainer leaves the same share of EVA's layers
+    out; a checkout's demo builds EVA with upstream's code, which passes no such setting on, so there the
+    language model's layers only (EVA keeps every layer checkpointed: less memory than planned, not more)."""
+    if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
+        return []
+    if env.get("CHECKPOINT_SKIP_LAYERS"):
+        choice = plan.Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
+    return plan.checkpoint_options(choice or plan.Setup())
+
+
+def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[plan.Setup] = None) -> str:
     """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
-    ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's choice for the detected GPUs, else the
+    ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's ``choice`` for the detected GPUs, else the
     config's own) is written into a copy saved beside the run's checkpoints."""
     source = config_path(name)
-    with open(source) as f:
-        config = json.load(f)
-    micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else planned_micro_batch(env, config)
+    config = read_config(name)
+    micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else choice and choice.micro_batch
     if micro is None or micro == config.get("train_micro_batch_size_per_gpu"):
         return source
     config["train_micro_batch_size_per_gpu"] = micro
@@ -167,6 +191,7 @@ def evaluation_dir(save_dir: str, before: bool = False) -> str:
 
 def train_options(env: Dict[str, str], **paths) -> List[str]:
     """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in."""
+    choice = None if paths.get("ds_config") else planned(env, read_config(env["DS_CONFIG"]))
     opts = [
         "--experiment-name", f"finetune-{os.path.basename(env['MODEL_TYPE'].rstrip('/'))}",
         "--model-parallel-size", env["MP_SIZE"], "--mode", "finetune", "--train-iters", env["TRAIN_ITERS"],
@@ -179,7 +204,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
         "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
         "--split", "1.", "--deepspeed_config",
-        paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"])),
+        paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"]), choice),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     opts += resume_options(env)
@@ -187,8 +212,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
-    if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":
-        opts += ["--checkpoint-activations", "--vit_checkpoint_activations"]
+    opts += checkpoint_options(env, choice)
     return opts + shlex.split(env.get("EXTRA_ARGS", ""))
 
 
@@ -288,6 +312,7 @@ NOT_ON_CPU = {
     "HOST_FILE": "CPU ranks run on this node only",
     "CHECKPOINT_ACTIVATIONS": "off for the tiny model (nothing to save)",
     "MICRO_BATCH": "the CPU config's micro-batch is used",
+    "CHECKPOINT_SKIP_LAYERS": "off for the tiny model (nothing to save)",
 }
 
 

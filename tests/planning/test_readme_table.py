@@ -24,20 +24,22 @@ def table_rows():
 
 
 def recommended(model, train, gpus, mem):
-    """(MP, DS_CONFIG, micro-batch, GB per GPU, QLoRA) of the plan's recommendation."""
+    """(MP, DS_CONFIG, micro-batch, GB per GPU, QLoRA, layers left out of checkpointing) of the plan's
+    recommendation."""
     config = plan.resolve_model(model)
     best = plan.recommend(plan.options(config, gpus, mem, train=train, seq_len=plan.default_seq_len(config)))
     s = best.estimate.setup
     return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / plan.GB,
-            s.qlora)
+            s.qlora, s.checkpoint_skip_layers)
 
 
 @pytest.mark.parametrize("row", table_rows(), ids=lambda r: "-".join(r[:3]).replace(" ", ""))
 def test_row_is_the_plans_recommendation(row):
-    model, train, gpus, mp, ds_config, micro_batch, per_gpu = row[:7]
+    model, train, gpus, mp, ds_config, micro_batch, skip, per_gpu = row[:8]
     low, high, mem = re.fullmatch(r"(\d+)(?:–(\d+))? × (\d+) GB", gpus).groups()
     counts = [int(low)] + ([int(high)] if high else [])
     batches = [int(b) for b in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", micro_batch)]
+    skips = [int(k) for k in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", skip)]
     gb = [float(x) for x in per_gpu.split("–")]
     qlora = "QLORA=1" in train
     for i, n in enumerate(counts):
@@ -45,4 +47,5 @@ def test_row_is_the_plans_recommendation(row):
         assert got[4] == qlora, (n, got)
         want_batch = batches[i] if len(batches) == len(counts) else batches[0]
         assert got[:3] == (int(mp), ds_config.strip("`"), want_batch), (n, got)
+        assert got[5] == (skips[i] if len(skips) == len(counts) else skips[0]), (n, got)
         assert min(gb) - 0.6 <= got[3] <= max(gb) + 0.6, (n, got)

@@ -125,7 +125,7 @@ def test_micro_batch_is_written_into_the_config_the_run_uses(tmp_path):
     assert os.path.basename(path) == "zero2.json" and config["train_micro_batch_size_per_gpu"] == 4
 
 
-def test_micro_batch_defaults_to_the_plans_choice_for_the_detected_gpus(tmp_path):
+def test_micro_batch_and_skip_default_to_the_plans_choice_for_the_detected_gpus(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"  # two 24 GB cards
@@ -139,9 +139,12 @@ def test_micro_batch_defaults_to_the_plans_choice_for_the_detected_gpus(tmp_path
     _, config = _deepspeed_config_of(out.stdout)
     plan = subprocess.run([sys.executable, "-m", "sat_patches", "plan", "--model", "cogvlm-base-490", "--gpus", "2",
                            "--gpu-mem", "24", "--json"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    fits = [o["setup"]["micro_batch"] for o in json.loads(plan.stdout)["options"]
-            if o["viable"] and o["setup"]["mp"] == 2 and o["setup"]["zero"] == 2 and not o["setup"]["offload"]]
-    assert config["train_micro_batch_size_per_gpu"] == max(fits) != 4
+    fits = [o for o in json.loads(plan.stdout)["options"] if o["viable"] and o["setup"]["mp"] == 2
+            and o["setup"]["zero"] == 2 and not o["setup"]["offload"] and not o["setup"]["qlora"]]
+    fastest = max(fits, key=lambda o: o["tokens_per_s"])["setup"]  # the fastest that fits, its skip beside it
+    assert config["train_micro_batch_size_per_gpu"] == fastest["micro_batch"] != 4
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert f"--checkpoint-skip-layers {fastest['checkpoint_skip_layers']}" in cmd and fastest["checkpoint_skip_layers"]
 
 
 def test_in_a_cogvlm_checkout_it_runs_upstreams_demo_through_the_launcher(tmp_path):

@@ -1,0 +1,170 @@
+"""Predicted time of one training step, beside the memory estimate: what lets the plan spend spare GPU memory
+on speed (a larger micro-batch, fewer checkpointed layers) instead of leaving it unused.
+
+The model, per rank and per step of ``micro_batch`` samples of ``seq_len`` tokens:
+
+    seconds = (useful FLOP + recomputed FLOP) / (EFFICIENCY * card's peak) + LAYER_PASS_SECONDS * layer passes
+
+* useful FLOP: the forward pass plus the backward pass's input gradients (the same count again; LoRA's own
+  weight gradients are a rounding error), of the parts gradients flow through. Counted from the shapes the
+  memory estimate reads: every language layer (each token through one expert of CogVLM's vision-expert layers,
+  causal attention; CogAgent's cross attention to its encoder's tokens), the LM head, the EVA2-CLIP tower and
+  its GLU adapter, CogAgent's EVA2-CLIP-L encoder. A frozen part with nothing trainable before it runs forward
+  only (EVA without LoRA under QLoRA, CogAgent's encoder unless upstream's demo set trains it).
+* recomputed FLOP: a checkpointed layer runs its forward again in backward; SAT's ``checkpoint_skip_layers``
+  leaves the last N layers out of that (and the same share of EVA's).
+* the per-step cost: each pass of a layer (forward, backward, recomputation) costs host time to launch its
+  kernels, whatever the micro-batch; at micro-batch 1 it is most of the step.
+
+The card's throughput is an input: :data:`CARDS` (peak dense bf16 tensor TFLOP/s from the vendors' data sheets)
+or a number. The two constants were fitted (least squares) on one H200 measuring full-size CogVLM, LoRA rank
+10, 1288 tokens per sample, with expert routing by image block: micro-batch 8 at every share of checkpointed
+layers and micro-batch 1 without checkpointing; every figure is predicted within 4%
+(``tests/planning/test_plan_timing.py`` holds the table). Not modelled: communication between ranks
+(gradient all-reduce, model-parallel all-reduces), optimizer offload, NF4 dequantisation under QLoRA; the
+plan compares settings within one model-parallel size, ZeRO stage and offload choice, where these are equal
+or nearly so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..cogvlm.shapes import cross_tokens
+
+# share of the card's peak that the step's useful and recomputed FLOP run at, and the host time per layer pass
+EFFICIENCY = 0.57
+LAYER_PASS_SECONDS = 1.7e-3
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    tflops: float           # peak dense bf16 tensor TFLOP/s
+    memory_gb: float
+
+
+# in the order a card is assumed from --gpu-mem (the first of those nearest in memory)
+CARDS = {c.name: c for c in (
+    Card("h100", 989, 80), Card("h200", 989, 141), Card("h100-pcie", 756, 80), Card("b200", 2250, 180),
+    Card("a100", 312, 80), Card("a100-40gb", 312, 40), Card("l40s", 362, 48), Card("a6000", 155, 48),
+    Card("rtx4090", 165, 24), Card("rtx3090", 71, 24), Card("a10", 125, 24), Card("l4", 121, 24),
+)}
+
+
+def card(name: Optional[str] = None, tflops: Optional[float] = None,
+         memory_gb: Optional[float] = None) -> Tuple[Card, str]:
+    """The card a plan is timed on and how it was chosen: ``tflops`` as given, else the named card, else the
+    listed card nearest in memory to ``memory_gb``."""
+    if tflops:
+        return Card(name or f"{tflops:g} TFLOP/s", float(tflops), memory_gb or 0.0), "given"
+    if name:
+        key = name.lower().replace(" ", "").replace("_", "-")
+        if key not in CARDS:
+            raise ValueError(f"unknown GPU {name!r}: give one of {', '.join(CARDS)} or --tflops N")
+        return CARDS[key], "given"
+    if memory_gb is None:
+        raise ValueError("a card needs a name, a throughput or a memory size")
+    nearest = min(CARDS.values(), key=lambda c: abs(c.memory_gb - memory_gb))
+    return nearest, f"assumed from {memory_gb:g} GB"
+
+
+# --------------------------------------------------------------------------------------
+# Rules the memory estimate reads too
+# --------------------------------------------------------------------------------------
+def eva_skip_layers(skip: int, layers: int, eva_layers: int) -> int:
+    """EVA layers left out of checkpointing when ``skip`` of the language model's ``layers`` are: the same
+    share, rounded down, and at most all but one (SAT's bound on ``checkpoint_skip_layers``)."""
+    return max(0, min(eva_layers - 1, skip * eva_layers // layers))
+
+
+def checkpointed_layers(c: dict, s) -> Tuple[int, int]:
+    """Language and EVA layers that keep only their input and run forward again in backward: with
+    ``s.checkpoint_activations``, all but SAT's ``checkpoint_skip_layers`` last ones (EVA: the same share)."""
+    layers, eva_layers = c["num_layers"], (c.get("eva_args") or {}).get("num_layers", 0)
+    if not s.checkpoint_activations:
+        return 0, 0
+    skip = min(s.checkpoint_skip_layers, layers)
+    return layers - skip, eva_layers - (eva_skip_layers(skip, layers, eva_layers) if eva_layers else 0)
+
+
+def eva_trains(c: dict, s) -> bool:
+    """Gradients flow through the EVA tower: LoRA on it (not under QLoRA), or upstream's demo set."""
+    return bool(c.get("eva_args")) and (s.lora_eva and not s.qlora and s.lora_rank > 0 or s.train == "demo")
+
+
+# --------------------------------------------------------------------------------------
+# FLOP and seconds
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Passes:
+    """Forward FLOP of one sample through each part, and the part's layer count."""
+    language_layer: float
+    language_layers: int
+    head: float                 # LM head and GLU adapter: run once, never recomputed
+    eva_layer: float = 0.0
+    eva_layers: int = 0
+    encoder: float = 0.0        # CogAgent's EVA2-CLIP-L, whole
+    encoder_layers: int = 0
+
+
+def _linear(tokens: float, d_in: float, d_out: float) -> float:
+    return 2.0 * tokens * d_in * d_out
+
+
+def _attention(queries: float, keys: float, width: float, causal: bool = False) -> float:
+    """Scores and the weighted sum; a causal mask halves the work the fused kernels do."""
+    return 4.0 * queries * keys * width / (2 if causal else 1)
+
+
+def forward_passes(c: dict, seq_len: int) -> Passes:
+    """Forward FLOP per sample, from a ``model_config.json`` as :func:`sat_patches.planning.estimator.plan_config`
+    reads it. Every token passes one expert (language or vision), of the same shapes."""
+    h, f, t = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], seq_len
+    layer = _linear(t, h, 3 * h) + _linear(t, h, h) + 3 * _linear(t, h, f) + _attention(t, t, h, causal=True)
+    head = _linear(t, h, c["vocab_size"])
+    e, out = c.get("eva_args"), {}
+    if e:
+        et, eh = e["max_sequence_length"], e["hidden_size"]
+        out.update(eva_layer=_linear(et, eh, 4 * eh) + 2 * _linear(et, eh, e["inner_hidden_size"])
+                   + _attention(et, et, eh), eva_layers=e["num_layers"])
+        head += _linear(c.get("image_length", et), eh, h) + 3 * _linear(c.get("image_length", et), h, f)  # GLU
+    if c.get("cross_image_pix"):
+        n, enc = cross_tokens(c), c["encoder_args"]
+        inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
+        layer += (_linear(t, h, inner) + _linear(n, c["cross_attn_hidden_size"], 2 * inner) + _linear(t, inner, h)
+                  + _attention(t, n, inner))
+        w, m = enc["width"], enc["width"] * enc["mlp_ratio"]
+        block = _linear(n, w, 4 * w) + 3 * _linear(n, w, m) + _attention(n, n, w)
+        out.update(encoder=enc["layers"] * block, encoder_layers=enc["layers"])
+    return Passes(layer, c["num_layers"], head, **out)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    tokens_per_s: float         # of the whole run: every data-parallel rank's samples
+    useful_flop: float          # per rank and step
+    recomputed_flop: float
+
+    def as_dict(self) -> dict:
+        return dict(step_seconds=self.seconds, tokens_per_s=self.tokens_per_s, useful_flop=self.useful_flop,
+                    recomputed_flop=self.recomputed_flop)
+
+
+def step_time(c: dict, s, tflops: float) -> StepTime:
+    """Predicted step of setup ``s`` (:class:`sat_patches.planning.estimator.Setup`) on a card of ``tflops``."""
+    p = forward_passes(c, s.seq_len)
+    eva_back = eva_trains(c, s)
+    encoder_back = s.train == "demo"
+    forward = p.language_layers * p.language_layer + p.head + p.eva_layers * p.eva_layer + p.encoder
+    backward = (p.language_layers * p.language_layer + p.head
+                + (p.eva_layers * p.eva_layer if eva_back else 0) + (p.encoder if encoder_back else 0))
+    lang_ckpt, eva_ckpt = checkpointed_layers(c, s)
+    recomputed = lang_ckpt * p.language_layer + (eva_ckpt * p.eva_layer if eva_back else 0)
+    scale = s.micro_batch / s.mp
+    useful, recomputed = scale * (forward + backward), scale * recomputed
+    passes = (2 * p.language_layers + p.eva_layers * (2 if eva_back else 1)
+              + p.encoder_layers * (2 if encoder_back else 1) + lang_ckpt + (eva_ckpt if eva_back else 0))
+    seconds = (useful + recomputed) / (EFFICIENCY * tflops * 1e12) + LAYER_PASS_SECONDS * passes
+    return StepTime(seconds, s.dp * s.micro_batch * s.seq_len / seconds, useful, recomputed)
