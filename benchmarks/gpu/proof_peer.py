@@ -11,7 +11,9 @@ tokens, backward, AdamW). LoRA r=10 on the layers SAT's ``LoraMixin`` adapts in 
 layer's attention qkv and dense (HF ``language_expert_query_key_value`` / ``language_expert_dense``) and every
 EVA layer's (``attention.query_key_value`` / ``attention.dense``). Activation checkpointing where the setting
 asks for it: SAT's own switches; on the HF side ``torch.utils.checkpoint`` around each language and EVA layer
-(the remote code refuses ``gradient_checkpointing_enable`` and never reads the flag).
+(the remote code refuses ``gradient_checkpointing_enable`` and never reads the flag). The trainable counts differ
+by design: SAT's LoRA keeps three rank-r pairs on a fused qkv, PEFT one (both counts are in the rows). A step's
+time is the median of the steps after the first (three at full size, two at tiny).
 
 Settings: micro-batch 8 with every layer checkpointed, and micro-batch 1 without (2 and 1 with ``--tiny``).
 Rows: the code loaded, PEFT's adapted modules, the device's matrix-product FLOP/s, one row per stack and
@@ -170,8 +172,9 @@ def _stack_rows(rec: Recorder, stack: str, build, settings, measure) -> list:
             row.measured = (f"step {out[-1].seconds:.3f} s, {out[-1].tokens_per_s:,.0f} tokens/s, "
                             f"{out[-1].utilisation:.0%} useful-FLOP utilisation"
                             + ("" if out[-1].peak is None else f", peak {gb(out[-1].peak)}"))
-            row.detail = f"step seconds {', '.join(f'{s:.3f}' for s in result['seconds'])}; losses " + \
-                         ", ".join(f"{x:.3f}" for x in result["losses"])
+            row.detail = (f"{result['trainable']:,} trainable; step seconds "
+                          f"{', '.join(f'{s:.3f}' for s in result['seconds'])}; losses "
+                          + ", ".join(f"{x:.3f}" for x in result["losses"]))
     del model
     free()
     return out
