@@ -104,7 +104,9 @@ def hf_model(folder: str, config: dict, dev):
             model = modeling.CogVLMForCausalLM(hf)
     finally:
         torch.set_default_dtype(previous)
-    model.to(dev, torch.bfloat16)
+    with torch.no_grad():       # parameters only: buffers (rotary inv_freq) stay as the code made them
+        for p in model.parameters():
+            p.data = p.data.to(dev, torch.bfloat16)
     randomise(model)
     lora = peft.LoraConfig(r=LORA_RANK, lora_alpha=1, lora_dropout=0.0, target_modules=LORA_TARGETS)
     model = peft.get_peft_model(model, lora)
