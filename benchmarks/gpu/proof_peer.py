@@ -157,9 +157,10 @@ def matmul_flops_per_s(dev, tiny: bool) -> float:
     return 2 * n ** 3 / best
 
 
-def _stack_rows(rec: Recorder, stack: str, build, settings, measure) -> list:
-    """Build one stack, run its step at every setting (``measure(model, micro_batch, checkpointed)`` gives
-    ``train_steps``' result), free it; its :class:`peer_figures.StepFigures` as far as they came."""
+def _stack_rows(rec: Recorder, stack: str, build, step, settings, figures_of) -> list:
+    """Build one stack (``build()``: the model and what to say of it), run ``step(model, micro_batch,
+    checkpointed)`` (``train_steps``' result) at every setting, free the model; its
+    :class:`peer_figures.StepFigures` (``figures_of(stack, setting, micro_batch, result)``) as far as they came."""
     import peer_figures as figures
     from proof_steps import free
     out, holder = [], {}
@@ -169,11 +170,12 @@ def _stack_rows(rec: Recorder, stack: str, build, settings, measure) -> list:
     for micro_batch, checkpointed in settings if model is not None else ():
         setting = figures.setting_name(micro_batch, checkpointed)
         with rec.check(f"{stack}: {setting}") as row:
-            result = measure(model, micro_batch, checkpointed)
-            out.append(result["figures"](stack, setting, micro_batch))
-            row.measured = (f"step {out[-1].seconds:.3f} s, {out[-1].tokens_per_s:,.0f} tokens/s, "
-                            f"{out[-1].utilisation:.0%} useful-FLOP utilisation"
-                            + ("" if out[-1].peak is None else f", peak {gb(out[-1].peak)}"))
+            result = step(model, micro_batch, checkpointed)
+            measured = figures_of(stack, setting, micro_batch, result)
+            out.append(measured)
+            row.measured = (f"step {measured.seconds:.3f} s, {measured.tokens_per_s:,.0f} tokens/s, "
+                            f"{measured.utilisation:.0%} useful-FLOP utilisation"
+                            + ("" if measured.peak is None else f", peak {gb(measured.peak)}"))
             row.detail = (f"{result['trainable']:,} trainable; step seconds "
                           f"{', '.join(f'{s:.3f}' for s in result['seconds'])}; losses "
                           + ", ".join(f"{x:.3f}" for x in result["losses"]))
@@ -207,17 +209,13 @@ def run(rec: Recorder, tiny: bool, hf_code) -> None:
     count_steps = 2 if tiny else 3
     adapted = {}
 
-    def measure(run_step):
-        def one(model, micro_batch, checkpointed):
-            inputs = steps.batch_inputs(config, tokens, micro_batch, dev)
-            result = run_step(model, inputs, checkpointed)
-            timed = result["seconds"][1:] or result["seconds"]   # the first step warms up
+    def figures_of(stack, setting, micro_batch, result):
+        timed = result["seconds"][1:] or result["seconds"]   # the first step warms up
+        return figures.StepFigures(stack, setting, micro_batch, tokens, statistics.median(timed), result["peak"],
+                                   useful, peak_flops, adapted.get(stack, 0), result["trainable"])
 
-            def as_figures(stack, setting, mb):
-                return figures.StepFigures(stack, setting, mb, tokens, statistics.median(timed), result["peak"],
-                                           useful, peak_flops, adapted.get(stack, 0), result["trainable"])
-            return {**result, "figures": as_figures}
-        return one
+    def batch(micro_batch):
+        return steps.batch_inputs(config, tokens, micro_batch, dev)
 
     def hf_build():
         model, names = hf_model(hf_code, config, dev)
@@ -226,9 +224,9 @@ def run(rec: Recorder, tiny: bool, hf_code) -> None:
         assert len(names) == expected, f"PEFT adapted {len(names)} modules, not {expected}: {names[:4]}"
         return model, f"PEFT adapted {len(names)} modules ({names[0]}, ...)"
 
-    def hf_step(model, inputs, checkpointed):
+    def hf_step(model, micro_batch, checkpointed):
         with checkpoint_each_layer(model, checkpointed):
-            return steps.train_steps(model, hf_inputs(inputs), config["vocab_size"], count_steps)
+            return steps.train_steps(model, hf_inputs(batch(micro_batch)), config["vocab_size"], count_steps)
 
     def sat_build():
         model, _ = steps.build_model(config, dev)
@@ -236,13 +234,13 @@ def run(rec: Recorder, tiny: bool, hf_code) -> None:
         adapted[figures.OURS] = len({n.split(".matrix_A")[0] for n, _ in model.named_parameters() if ".matrix_A" in n})
         return model, f"LoraMixin on {config['num_layers']} language and {config['eva_args']['num_layers']} EVA layers"
 
-    def sat_step(model, inputs, checkpointed):
+    def sat_step(model, micro_batch, checkpointed):
         steps.checkpointing(model, checkpointed)
-        return steps.train_steps(model, inputs, config["vocab_size"], count_steps)
+        return steps.train_steps(model, batch(micro_batch), config["vocab_size"], count_steps)
 
     settings = SETTINGS[tiny]
-    rows = _stack_rows(rec, figures.PEER, hf_build, settings, measure(hf_step))
-    rows += _stack_rows(rec, figures.OURS, sat_build, settings, measure(sat_step))
+    rows = _stack_rows(rec, figures.PEER, hf_build, hf_step, settings, figures_of)
+    rows += _stack_rows(rec, figures.OURS, sat_build, sat_step, settings, figures_of)
     for setting, ratio in figures.ratios(rows).items():
         with rec.check(f"sat_patches / HF tokens/s, {setting}") as row:
             row.measured = f"{ratio:.2f}x"
