@@ -11,6 +11,13 @@
 # (DS_BUILD_OPS=0: no compiled ops; the proof uses none). wandb and datasets, which `import sat` imports,
 # are not carried (wandb alone is 20 MB): proof.py stands in a module for each, which the proof never calls.
 #
+# Part p (the peer beside us) runs the released model's own HF code, which predates the image's transformers
+# 5.x: PEER_WHEELS go to .gpu-wheels/peer/ and are installed into a folder of their own (--target /tmp/peer),
+# which proof.py puts first on sys.path in that part only (--peer-site), so the image's transformers stays
+# as it is for everything else. That code is not ours to ship: set HF_CODE to a local copy of
+# cogvlm-chat-hf's modeling_cogvlm.py, visual.py and configuration_cogvlm.py (a public copy, fetched
+# beforehand) and they are copied into .gpu-wheels/hf-code/ (git-ignored); without it part p says skipped.
+#
 # sat_patches itself travels as the working tree (the command runs in the repository root): PYTHONPATH
 # holds the root, and proof.py imports sat_patches before SAT, which installs the start-up hook's finder;
 # sat_patches.pth (only needed for `import sat` before `import sat_patches` on a machine without triton)
@@ -36,18 +43,37 @@ WHEELS=(
   braceexpand==0.1.7
 )
 DEEPSPEED=deepspeed==0.19.8
+# part p only, installed apart (the image holds other versions of these; the kit's test reads this list)
+PEER_WHEELS=(
+  transformers==4.41.2
+  peft==0.11.1
+  huggingface_hub==0.23.5
+)
+HF_CODE_FILES=(modeling_cogvlm.py visual.py configuration_cogvlm.py)
 
 PYTHON="${PYTHON:-python3}"
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
 
-mkdir -p "$DEST"
-rm -f "$DEST"/*.whl
+mkdir -p "$DEST/peer"
+rm -f "$DEST"/*.whl "$DEST"/peer/*.whl
+rm -rf "$DEST/hf-code"
 platform_args=()
 for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
 echo "downloading ${#WHEELS[@]} wheels for CPython 3.12, manylinux x86_64, into $DEST"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platform_args[@]}" -d "$DEST" "${WHEELS[@]}"
+
+echo "downloading ${#PEER_WHEELS[@]} wheels for part p into $DEST/peer"
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platform_args[@]}" -d "$DEST/peer" "${PEER_WHEELS[@]}"
+if [ -n "${HF_CODE:-}" ]; then
+  mkdir -p "$DEST/hf-code"
+  for f in "${HF_CODE_FILES[@]}"; do cp "$HF_CODE/$f" "$DEST/hf-code/" || { echo "HF_CODE=$HF_CODE lacks $f" >&2; exit 1; }; done
+  echo "part p: the remote code from $HF_CODE copied into $DEST/hf-code"
+else
+  echo "part p will say skipped: set HF_CODE to a local copy of cogvlm-chat-hf's ${HF_CODE_FILES[*]}"
+fi
 
 echo "building $DEEPSPEED as a pure-Python wheel (DS_BUILD_OPS=0)"
 build="$(mktemp -d)"
@@ -56,7 +82,7 @@ trap 'rm -rf "$build"' EXIT
 (cd "$build" && DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" ./deepspeed-*.tar.gz)
 ls "$DEST"/deepspeed-*-py3-none-any.whl >/dev/null
 
-wheels=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+wheels=$(du -cb "$DEST" | tail -1 | cut -f1)
 tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | awk '/total$/ {s += $1} END {print s + 0}')
 total=$((wheels + tree))
 "$PYTHON" -c 'import sys; w, t = (int(x) / 2**20 for x in sys.argv[1:]); print(f"wheels {w:.1f} MiB + working tree {t:.1f} MiB = {w + t:.1f} MiB (limit 64 MiB)")' "$wheels" "$tree"
@@ -73,7 +99,7 @@ The device call (tool `device`, verb `run`; leave `kind` out: one H100 is enough
   command:
 CALL
 cat <<'COMMAND'
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD 2>&1 | tee $OUT/proof.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .gpu-wheels/peer/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD --hf-code .gpu-wheels/hf-code --peer-site /tmp/peer 2>&1 | tee $OUT/proof.log
 COMMAND
 echo
 echo "Afterwards: copy the table (proof.log's end) and proof.json's machine into BENCHMARKS.md's 'GPU proof kit'."

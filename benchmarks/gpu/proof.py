@@ -12,6 +12,10 @@ c. CUDA paths (``proof_cuda.py``): triton rotary == torch fallback, xformers sta
 a. Full-size CogVLM-17B and CogAgent-18B LoRA steps beside the plan's 1 x 80 GB row, sat_patches and stock SAT
    (``proof_steps.py``).
 b. QLoRA from a bf16 checkpoint on local disk beside the plan's 1 x 24 GB row (``proof_steps.py``).
+p. The peer beside us (``proof_peer.py``): the released model's own HF code with PEFT and SAT + sat_patches,
+   the same CogVLM LoRA step at the same settings; tokens/s, peak memory, useful-FLOP utilisation and the
+   ratio. Needs ``--hf-code DIR`` (a local copy of cogvlm-chat-hf's remote code) and, on the GPU machine,
+   ``--peer-site DIR`` (transformers 4.41.2 and peft 0.11.1, installed apart); otherwise ``skipped``.
 
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
@@ -32,7 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
-         "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200)}  # part: (title, seconds allowed on an H100)
+         "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200),
+         "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 
@@ -40,7 +45,11 @@ def options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_proof", help="folder for proof.json")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the kit's own test)")
-    parser.add_argument("--parts", default="cab", help="which parts, in order (default: cab)")
+    parser.add_argument("--parts", default="cabp", help="which parts, in order (default: cabp)")
+    parser.add_argument("--hf-code", help="part p: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
+                                          "configuration_cogvlm.py")
+    parser.add_argument("--peer-site", help="part p: folder with transformers 4.41.2 and peft 0.11.1 installed "
+                                            "(put first on sys.path in that part only)")
     parser.add_argument("--scratch", default=None, help="local disk for part b's checkpoint (default: a temp dir)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
     parser.add_argument("--part", help=argparse.SUPPRESS)        # run one part in this process (the workers)
@@ -56,9 +65,12 @@ def options(argv=None) -> argparse.Namespace:
 # One part, in its own process
 # --------------------------------------------------------------------------------------
 
-def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
+def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, peer_site=None) -> None:
     sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration")]
     from proof_record import Recorder, stand_in_unused
+    if part == "p":
+        import proof_peer
+        proof_peer.prepare_imports(peer_site)  # before SAT, which imports transformers
     stand_in_unused()
     if tiny:
         os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
@@ -75,6 +87,8 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str) -> None:
     elif part == "b":
         import proof_steps
         rec.guarded(proof_steps.qlora, tiny, scratch)
+    elif part == "p":
+        rec.guarded(proof_peer.run, tiny, hf_code)
     rec.save()
 
 
@@ -105,6 +119,9 @@ def spawn(part: str, opts, json_path: str, scratch: str) -> dict:
     cmd = [sys.executable, *isolated, os.path.abspath(__file__), "--part", part, "--part-json", json_path, "--scratch", scratch]
     if opts.tiny:
         cmd.append("--tiny")
+    for flag, value in (("--hf-code", opts.hf_code), ("--peer-site", opts.peer_site)):
+        if value:
+            cmd += [flag, os.path.abspath(value)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
@@ -139,7 +156,8 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     opts = options(argv)
     if opts.part:
-        run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir())
+        run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir(), opts.hf_code,
+                 opts.peer_site)
         return 0
     os.makedirs(opts.out, exist_ok=True)
     result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {}, "parts": {}}

@@ -71,6 +71,14 @@ def build_model(config: dict, dev):
     cls, args = model_args(config, dev)
     with construction.build_on(dev, torch.bfloat16):
         model = cls(args)
+    randomise(model)
+    return model, args
+
+
+def randomise(model) -> None:
+    """Random weights in place, the same rule for any stack: norms' weights 1, biases 0, every other
+    parameter normal with std 0.02."""
+    import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -79,7 +87,6 @@ def build_model(config: dict, dev):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)
-    return model, args
 
 
 def add_lora(model, rank: int = LORA_RANK, eva: bool = True) -> None:
@@ -94,10 +101,10 @@ def add_lora(model, rank: int = LORA_RANK, eva: bool = True) -> None:
         p.requires_grad_("matrix_" in name)
 
 
-def checkpointing(model) -> None:
-    """``--checkpoint-activations --vit_checkpoint_activations``."""
-    model.transformer.checkpoint_activations = True
-    model.get_mixin("eva").vit_model.transformer.checkpoint_activations = True
+def checkpointing(model, on: bool = True) -> None:
+    """``--checkpoint-activations --vit_checkpoint_activations`` (``on=False``: neither)."""
+    model.transformer.checkpoint_activations = on
+    model.get_mixin("eva").vit_model.transformer.checkpoint_activations = on
 
 
 class _Real:
