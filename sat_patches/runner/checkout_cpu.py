@@ -36,12 +36,16 @@ from typing import Dict, List
 import torch
 from sat.arguments import _simple_init
 
+import sat_patches
+
 from sat_patches.cogvlm import check_vocab, data_collator, llama2_tokenizer, make_captcha_dataset, train_tiny_tokenizer
 from sat_patches.cogvlm.config import CONFIG_FIELDS, tiny_config
 from sat_patches.core import kinds
 from sat_patches.core.ports import free_port
 from sat_patches.cogvlm.trainer import lm_loss, model_inputs
 from sat_patches.checkpoints.merge import merge
+
+FORK_PATCHES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")  # sat_patches.patches.fork_models
 
 # parameters upstream creates with skip_init=True (no initialisation): the vision-expert mixins
 UNINITIALISED_PREFIXES = ("mixins.mlp.", "mixins.rotary.")
@@ -198,6 +202,7 @@ def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base
                                  bf16=False, fp16=False)
         model, args = cls.from_pretrained(single, run)
         model.eval()
+        reload = lambda: cls.from_pretrained(single, run)[0].eval()  # noqa: E731
         saved = torch.load(os.path.join(single, "1", "mp_rank_00_model_states.pt"), map_location="cpu",
                            mmap=True, weights_only=True)["module"]
         expected = set(model.state_dict())
@@ -212,14 +217,35 @@ def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base
         dataset = utils.ItemDataset(image, text, args, os.path.join(workdir, "data", "valid"),
                                     cross_image_processor=cross)
     batch = data_collator([dataset[0]], cross_image_processor=cross)
-    loss = float(lm_loss(model, {**model_inputs(batch), "labels": batch["labels"]}))
+    loss_of = lambda m: float(lm_loss(m, {**model_inputs(batch), "labels": batch["labels"]}))  # noqa: E731
+    loss = loss_of(model)
     if not math.isfinite(loss):
         raise SystemExit(f"error: the merged model's loss on {dataset.data_dir} is {loss}")
+    with checkout_on_path(checkout):
+        routing = fork_routing_check(reload, loss_of, loss)
     print(f"training checkpoint: {trained} ({mp} shards)\n"
           f"demo's merged checkpoint: {merged} ({mp} shards, LoRA merged)\n"
           f"joined into {single}, loaded into the checkout's {config['model_class']}: loss {loss:.3f} on "
-          f"CAPTCHA '{batch['question_id']}'", flush=True)
+          f"CAPTCHA '{batch['question_id']}'\n{routing}", flush=True)
     return {"trained": trained, "merged": merged, "merged_mp1": single, "loss": loss}
+
+
+def fork_routing_check(reload, loss_of, loss: float) -> str:
+    """The checkout's vision-expert mixins under sat_patches: the fork patches' status and, where they are applied,
+    the merged model's loss with the fork's own boolean-mask routing beside the patched routing (must be equal)."""
+    rows = [r for r in sat_patches.status() if r["name"] in FORK_PATCHES]
+    states = ", ".join(f"{r['name']} {r['status']}" + (f" ({r['reason']})" if r["reason"] else "") for r in rows)
+    if any(r["status"] != "applied" for r in rows):
+        return f"the checkout's vision-expert mixins: {states}"
+    sat_patches.unpatch(*FORK_PATCHES)
+    try:
+        own = loss_of(reload())  # (SAT binds a mixin's hooks when the model is built)
+    finally:
+        sat_patches.apply()
+    if not math.isclose(own, loss, rel_tol=1e-5, abs_tol=1e-6):
+        raise SystemExit(f"error: the checkout's own routing gives loss {own!r}, the patched routing {loss!r}")
+    return (f"the checkout's vision-expert mixins: {states}; loss with the checkout's own routing {own:.6f}, "
+            f"patched {loss:.6f}")
 
 
 def main(argv=None) -> int:

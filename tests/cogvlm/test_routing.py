@@ -10,7 +10,8 @@ from sat_patches.cogvlm.routing import ExpertRouting, expert_routing, route_by_m
 from sat_patches.kernels.attention import mask_kind
 from sat_patches.runtime.tensor_memo import TensorMemo
 from sat_patches.testing import patches_removed
-from tiny_steps import batch_for, build, host_reads, mask_routing, step
+from sat_patches.testing.fast_paths import boolean_mask_routing, build_cogvlm as build, cogvlm_batch as batch_for
+from sat_patches.testing.fast_paths import host_reads, train_step as step
 
 COGVLM_LAYOUT = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0]] * 3)  # BOS, boi, patches, eoi, text
 
@@ -67,33 +68,33 @@ def test_the_memo_serves_detached_copies_and_sees_in_place_writes():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_the_model_routed_by_block_equals_mask_routing(checkpointing, monkeypatch):
+def test_the_model_routed_by_block_equals_mask_routing(checkpointing):
     model, args = build(checkpointing)
     batch = batch_for(args)
     assert expert_routing(batch["vision_expert_mask"]).kind == "block"
     fast_logits, fast_grads = step(model, batch)
-    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
-    ref_logits, ref_grads = step(model, batch)
+    with boolean_mask_routing():
+        ref_logits, ref_grads = step(model, batch)
     assert torch.allclose(fast_logits, ref_logits, rtol=0, atol=1e-5)
     assert fast_grads.keys() == ref_grads.keys()
     for name in ref_grads:
         assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_a_ragged_batch_routes_by_index_with_the_same_values(monkeypatch):
+def test_a_ragged_batch_routes_by_index_with_the_same_values():
     model, args = build(False)
     batch = batch_for(args)
     batch["vision_expert_mask"][1] = 0           # a text-only sample beside one with an image
     assert expert_routing(batch["vision_expert_mask"]).kind == "index"
     fast_logits, fast_grads = step(model, batch)
-    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
-    ref_logits, ref_grads = step(model, batch)
+    with boolean_mask_routing():
+        ref_logits, ref_grads = step(model, batch)
     assert torch.allclose(fast_logits, ref_logits, rtol=0, atol=1e-5)
     for name in ref_grads:
         assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_a_checkpointed_step_reads_its_masks_once_not_per_layer(monkeypatch):
+def test_a_checkpointed_step_reads_its_masks_once_not_per_layer():
     """The mask's routing, the rotary cache length and the attention mask's kind: one read each per step, also in
     the recomputed layers; CogVLM's own routing and SAT's own attention read them in every layer, twice."""
     model, args = build(True)
@@ -102,10 +103,9 @@ def test_a_checkpointed_step_reads_its_masks_once_not_per_layer(monkeypatch):
     step(model, batch)
     after = (expert_routing.computed, vision_expert.max_position.computed, mask_kind.computed)
     assert [b - a for a, b in zip(before, after)] == [1, 1, 2]  # two attention masks: the language model's, EVA's
-    fast = host_reads(model, batch_for(args, seed=1))  # (a new batch: its reads counted alone)
-    monkeypatch.setattr(vision_expert, "routing_for", mask_routing)
-    with patches_removed("attention_mask_read_once"):
-        slow = host_reads(model, batch_for(args, seed=2))
+    fast = host_reads(lambda: step(model, batch_for(args, seed=1)))  # (a new batch: its reads counted alone)
+    with boolean_mask_routing(), patches_removed("attention_mask_read_once"):
+        slow = host_reads(lambda: step(model, batch_for(args, seed=2)))
     layers = args.num_layers
     assert slow - fast >= 2 * layers * 3, (fast, slow)  # per layer, forward and recomputation: at least 3 each
 

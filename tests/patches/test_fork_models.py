@@ -15,7 +15,8 @@ import torch
 from sat.model.base_model import get_model
 
 from fake_checkout import write_fake_checkout
-from tiny_steps import batch_for, build, host_reads, step
+from sat_patches.testing.fast_paths import build_cogvlm as build, cogvlm_batch as batch_for, host_reads
+from sat_patches.testing.fast_paths import train_step as step
 from sat_patches.cogvlm import FineTuneTrainCogVLMModel, tiny_args
 from sat_patches.core.registry import REGISTRY, SatPatchesWarning
 from sat_patches.testing import patches_removed
@@ -69,12 +70,12 @@ def test_the_forks_mixins_patched_give_their_own_values_with_fewer_host_reads(ch
     model, args = fork_model(mixins)
     batch = batch_for(args)
     logits, grads = step(model, batch)
-    fast = host_reads(model, batch_for(args, seed=1))
+    fast = host_reads(lambda: step(model, batch_for(args, seed=1)))
     with patches_removed(*NAMES):  # (SAT binds a mixin's hooks when it is added: the model is built again)
         assert mixins.LlamaVisionExpertFCMixin.mlp_forward.__qualname__.startswith("LlamaVisionExpertFCMixin")
         model, args = fork_model(mixins)
         own_logits, own_grads = step(model, batch)
-        slow = host_reads(model, batch_for(args, seed=1))
+        slow = host_reads(lambda: step(model, batch_for(args, seed=1)))
     assert torch.allclose(logits, own_logits, rtol=0, atol=1e-5)
     assert grads.keys() == own_grads.keys()
     for name in own_grads:

@@ -149,7 +149,8 @@ def test_checkout_cpu_run_refuses_an_mp_size_the_ranks_cannot_hold(tmp_path):
 
 
 def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
-    """Trained ``iters`` steps, saved one shard per rank, the demo merged and saved, the merge reloads."""
+    """Trained ``iters`` steps, saved one shard per rank, the demo merged and saved, the merge reloads; the
+    checkout's mixins were patched (``sat-patches status``) with outputs unchanged."""
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
     losses = [float(x) for x in re.findall(rf"^iteration \d+/{iters} \| loss ([0-9.]+) \|", out.stdout, re.M)]
@@ -163,6 +164,9 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
     assert log.count("merge layer 0 lora attention back to linear") >= 2  # the demo's merge_lora ran
     assert os.listdir(os.path.join(work, "merged_mp1", "1")) == ["mp_rank_00_model_states.pt"]
     assert re.search(r"loaded into the checkout's FineTuneTrain\w+Model: loss [0-9.]+ on CAPTCHA '\w+'", log), log[-3000:]
+    # the checkout's own vision-expert mixins ran with sat_patches' routing, and give what their own routing gives
+    assert re.search(r"mixins: fork_expert_routing_mlp applied, fork_expert_routing_attention applied; loss with "
+                     r"the checkout's own routing [0-9.]+, patched [0-9.]+", log), log[-3000:]
 
 
 @pytest.mark.slow
