@@ -3,13 +3,13 @@
 A model's forward can branch on, or index with, values that do not depend on its weights: SAT's
 ``attention_fn_default`` checks whether the mask is causal or full (``.all()``), CogVLM routes the
 image tokens of ``vision_expert_mask`` to the vision experts (boolean indexing), its image mixin
-counts the slots of ``image_embed_mask``. On meta tensors each of these fails ("Tensor.item() cannot
+counts the slots of ``image_embed_mask``, sat_patches' routing copies the mask to the host once. On meta tensors each of these fails ("Tensor.item() cannot
 be called on meta tensors", data-dependent output shapes).
 
 Inside :class:`MetaValues`, a meta tensor made by :meth:`MetaValues.meta` carries its values: a CPU
 copy (the *shadow*). Every operation whose tensor inputs are all shadowed (or CPU) computes its
 shadow on the CPU too, as long as the result is small (masks, positions, token ids; never a
-weight-sized tensor), so ``.item()``/``bool()`` read the shadow, and indexing with a shadowed
+weight-sized tensor), so ``.item()``/``bool()`` and a copy to the CPU read the shadow, and indexing with a shadowed
 index uses the shadow's values. Everything else runs on meta as usual, so a layer at full width
 costs no memory and takes milliseconds.
 
@@ -60,6 +60,8 @@ class MetaValues(TorchDispatchMode):
         shadowed = bool(tensors) and all(self.shadow(t) is not None for t in tensors)
         if func is aten._local_scalar_dense.default and shadowed:
             return self.shadow(args[0]).item()
+        if func is aten._to_copy.default and shadowed and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            return self.shadow(args[0]).to(dtype=kwargs.get("dtype"), copy=True)  # a read into host memory
         if func in _INDEXING:  # the indexed tensor stays meta; the index takes its values
             args, kwargs = tree_map(lambda v: self._index_values(v), (args, kwargs))
         out = func(*args, **kwargs)

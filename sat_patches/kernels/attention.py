@@ -4,8 +4,8 @@ SAT 0.4.12's ``attention_fn_default`` compares the whole attention mask with a l
 checks it for all-ones on every call: two host syncs per layer, again in every recomputed layer, before it
 chooses torch's fused ``scaled_dot_product_attention`` (causal or full) or its own masked softmax. Here the
 mask's kind is read once per mask (:class:`~sat_patches.runtime.tensor_memo.TensorMemo`); the choice and the
-call are SAT's. Keys and values are expanded to the query heads only where there are fewer of them (SAT
-copies them in every call, also when the counts are equal).
+call are SAT's, keys and values expanded (copied) to the query heads as SAT does: what a layer keeps for backward,
+and so the plan's memory figures, stay as measured.
 """
 from __future__ import annotations
 
@@ -32,11 +32,9 @@ mask_kind = TensorMemo(read_mask_kind)
 
 
 def _expand_heads(layer: torch.Tensor, heads: int) -> torch.Tensor:
-    """Multi-query attention: repeat each key/value head over its group of query heads."""
+    """Multi-query attention: each key/value head repeated over its group of query heads, contiguous, as SAT does."""
     batch, kv_heads = layer.shape[:2]
-    if kv_heads == heads:
-        return layer
-    return layer.unsqueeze(2).expand(-1, -1, heads // kv_heads, -1, -1).reshape(batch, heads, *layer.shape[2:])
+    return layer.unsqueeze(2).expand(-1, -1, heads // kv_heads, -1, -1).contiguous().view(batch, heads, *layer.shape[2:])
 
 
 def attention_fn(sat_attention_fn, query_layer, key_layer, value_layer, attention_mask, attention_dropout=None,
