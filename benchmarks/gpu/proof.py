@@ -153,12 +153,29 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+DEVICE_CALL_S = 600
+"""The device tool's limit on one command: a run of parts longer than this needs several calls."""
+
+
+def cost_preview(parts: str, time_scale: float = 1.0) -> str:
+    """What the chosen parts will cost at most (their limits), said before anything runs."""
+    limits = [(p, PARTS[p][0], PARTS[p][1] * time_scale) for p in parts]
+    total = sum(limit for _, _, limit in limits)
+    lines = [f"parts {parts}: up to {total:.0f} s of device time in all (machine start not counted)"]
+    lines += [f"  {p}: {title}, up to {limit:.0f} s" for p, title, limit in limits]
+    if total > DEVICE_CALL_S:
+        lines.append(f"  more than one device call allows ({DEVICE_CALL_S} s): run a subset per call "
+                     f"(--parts), e.g. the quick checks first")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     opts = options(argv)
     if opts.part:
         run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir(), opts.hf_code,
                  opts.peer_site)
         return 0
+    print(cost_preview(opts.parts, opts.time_scale), flush=True)
     os.makedirs(opts.out, exist_ok=True)
     result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {}, "parts": {}}
     with tempfile.TemporaryDirectory(prefix="sat-patches-proof-", dir=opts.scratch) as scratch:

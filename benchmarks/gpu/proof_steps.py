@@ -153,7 +153,7 @@ def train_steps(model, inputs: dict, vocab: int, steps: int = 2) -> dict:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))  # (a float of a tensor that requires grad: torch warns)
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     return {"peak": peak, "seconds": seconds, "losses": losses, "trainable": sum(p.numel() for p in params)}
 

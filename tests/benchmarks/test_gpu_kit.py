@@ -152,3 +152,46 @@ def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(m
     assert row.status == "ok" and "torch rotary kernel" in row.check
     assert kernels[0] is not apply_rotary and kernels[1] is apply_rotary
     assert rotary_embeddings.apply_rotary is kernels[0]  # put back afterwards
+
+
+def test_the_rotary_check_calls_the_kernel_as_sats_rotary_embedding_does(monkeypatch):
+    """SAT's triton kernel asserts on ``max_seqlen`` (a call without it raises TypeError): the kit's call passes what
+    SAT's ``FastRotaryEmbedding`` passes, by the same names, and the same values for the same positions."""
+    import torch
+    sys.path[:0] = [KIT]
+    import proof_cuda
+    import sat.model.position_embedding.triton_rotary_embeddings as rotary_embeddings
+    calls = []
+
+    def recorder(x, cos, sin, position_ids, **kwargs):
+        calls.append(kwargs)
+        return x
+    monkeypatch.setattr(rotary_embeddings, "apply_rotary", recorder)
+    positions = torch.tensor([[0, 1, 2, 5]])
+    q = k = torch.randn(1, 2, 4, 8)
+    rotary_embeddings.FastRotaryEmbedding(8)(q, k, positions, max_seqlen=positions.max() + 1, layer_id=0)
+    cos = sin = torch.zeros(16, 4)
+    proof_cuda.rotary_as_sat_calls(recorder, q, cos, sin, positions, 0, False)
+    sat_call, kit_call = calls[0], calls[-1]
+    assert set(kit_call) == set(sat_call)
+    assert int(kit_call["max_seqlen"]) == int(sat_call["max_seqlen"]) == 6
+
+
+def test_one_unit_in_the_last_place_is_bf16s_spacing():
+    import torch
+    sys.path[:0] = [KIT]
+    from proof_cuda import last_place
+    values = torch.tensor([1.0, 3.0, 4.0, 6.5, -0.3], dtype=torch.bfloat16)
+    assert last_place(values).tolist() == [2 ** -7, 2 ** -6, 2 ** -5, 2 ** -5, 2 ** -9]
+    assert float(last_place(torch.tensor([4.0], dtype=torch.bfloat16))) == 0.03125  # the 0.031 seen at |x| ~ 4
+
+
+def test_the_kit_says_what_its_parts_cost_before_running_and_when_one_call_cannot_hold_them():
+    sys.path[:0] = [KIT]
+    import proof
+    quick = proof.cost_preview("c")
+    assert quick.splitlines()[0] == "parts c: up to 60 s of device time in all (machine start not counted)"
+    assert "more than one device call" not in quick
+    everything = proof.cost_preview("cabp")
+    assert f"up to {sum(limit for _, limit in proof.PARTS.values()):.0f} s" in everything
+    assert "more than one device call allows (600 s)" in everything
