@@ -47,8 +47,19 @@ def test_the_standalone_cpu_run_trains_on_the_users_jsonl_for_the_users_iteratio
     assert "note: MAX_LENGTH=1288 is cut to 512: the tiny model has 512 positions" in out.stdout
     assert "--valid-data " + str(tmp_path / "sat_patches_demo" / "cogvlm" / "data" / "valid.jsonl") in train
     assert f"note: TRAIN_DATA: {data}" in out.stdout
-    assert "note: VALID_DATA not set: generated CAPTCHAs are used" in out.stdout
+    assert "note: VALID_DATA not set: generated coloured shapes are used" in out.stdout
     assert "note: MODEL_TYPE=cogvlm-chat-v1.1 is not used on CPU ranks: a tiny model" in out.stdout
+
+
+@pytest.mark.parametrize("run_mode, generated", [("cpu", "coloured shapes"), ("checkout-cpu", "CAPTCHA images")])
+def test_the_notes_name_the_data_a_cpu_run_generates(run_mode, generated):
+    from sat_patches.runner import finetune_run
+    env = finetune_run.settings({"MODEL_KIND": "cogvlm", "CPU_RANKS": "2"})
+    assert finetune_run.cpu_notes(env, {}, run_mode)[:2] == [
+        f"TRAIN_DATA not set: generated {generated} are used", f"VALID_DATA not set: generated {generated} are used"]
+    if run_mode == "cpu":  # what the demo's prepare step is asked to draw
+        prepare = finetune_run.cpu_commands(dict(env, MASTER_PORT="1"), "cogvlm")[0]
+        assert prepare[prepare.index("--task") + 1] == "shapes"
 
 
 def test_a_checkout_smoke_test_trains_on_the_users_folder_and_refuses_jsonl_its_demo_cannot_read(tmp_path):
