@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from test_checkout_cpu import SCRIPTS, checkout_with_script, run
+from test_checkout_cpu import SCRIPTS, checkout_with_script, run, run_until_trained
 
 UNIQUE = "only-in-the-users-file-42"
 
@@ -82,10 +82,11 @@ def test_a_checkout_smoke_test_trains_on_the_users_folder_and_refuses_jsonl_its_
 @pytest.mark.slow
 def test_the_standalone_cpu_run_reads_the_users_records(tmp_path):
     """A real run: the trained model answers the user's validation records (predictions name the record
-    only the user's file holds)."""
+    only the user's file holds). Up to training: what follows (merge, reload, export) reads no data and is
+    run whole by tests/runner/test_finetune_scripts.py."""
     data = user_jsonl(tmp_path / "data")
-    out = run(SCRIPTS["cogvlm"], {"CPU_RANKS": "2", "TRAIN_DATA": data, "VALID_DATA": data, "TRAIN_ITERS": "2",
-                                  "SAVE_INTERVAL": "2"}, cwd=tmp_path, timeout=900)
+    out = run_until_trained("cogvlm", {"CPU_RANKS": "2", "TRAIN_DATA": data, "VALID_DATA": data, "TRAIN_ITERS": "2",
+                                       "SAVE_INTERVAL": "2"}, cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     predictions = tmp_path / "sat_patches_demo" / "cogvlm" / "checkpoints" / "evaluation" / "predictions.jsonl"
     ids = [json.loads(line).get("id") for line in predictions.read_text().splitlines()]
