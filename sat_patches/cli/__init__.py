@@ -1,4 +1,6 @@
 """The ``sat-patches`` command, one module per verb."""
+import os
+import sys
 
 
 def exit_now(code) -> None:
@@ -7,8 +9,6 @@ def exit_now(code) -> None:
     model takes seconds (measured: 10 s of a 21 s ``finetune prepare`` on a loaded 2-core machine) and writes
     nothing. Every file a verb writes is closed before it returns. A process in a distributed job (a rank that
     still has its process group) exits normally, so the group is torn down as torch expects."""
-    import os
-    import sys
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         sys.exit(code)
