@@ -1,6 +1,6 @@
 """``python -m sat_patches.export ...`` is ``sat-patches export ...`` (:mod:`sat_patches.cli.export`)."""
-import sys
 
+from ..cli import exit_now
 from ..cli.export import main
 
-sys.exit(main())
+exit_now(main())

@@ -12,7 +12,7 @@ Four modes, chosen in this order:
 - GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
   ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
 - CPU demo (no GPU, or ``CPU_RANKS`` set): a tiny randomly initialised model of the same architecture
-  on generated CAPTCHA data, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
+  on generated coloured shapes, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
   and reloaded.
 
 On CPU ranks (both CPU modes) the user's ``TRAIN_DATA`` / ``VALID_DATA`` are used when given (checked
@@ -252,7 +252,7 @@ def torchrun() -> List[str]:
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     work = env["WORK_DIR"]
     py = sys.executable
-    # the generated demo data (coloured shapes, sat_patches.cogvlm.shapes_data) unless the user gave theirs
+    # the generated demo data (GENERATED_DATA["cpu"]) unless the user gave theirs
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train.jsonl"),
                  valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid.jsonl"),
@@ -263,7 +263,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
         if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
             options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
     commands = [
-        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", "shapes",
+        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
@@ -316,10 +316,17 @@ NOT_ON_CPU = {
 }
 
 
-def cpu_notes(env: Dict[str, str], environ: Dict[str, str]) -> List[str]:
-    """What a CPU run uses of the user's settings: their data (or generated CAPTCHAs), and each setting it
-    cannot honour, with why."""
-    notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: generated CAPTCHAs are used"
+# the data a CPU run generates where TRAIN_DATA/VALID_DATA are unset: the CPU demo draws coloured shapes (learnt
+# in a minute, sat_patches.cogvlm.shapes_data); a checkout's own demo reads folders of <label>.jpg CAPTCHA images
+GENERATED_DATA = {"cpu": "shapes", "checkout-cpu": "captcha"}
+TASK_WORDS = {"shapes": "generated coloured shapes", "captcha": "generated CAPTCHA images"}
+
+
+def cpu_notes(env: Dict[str, str], environ: Dict[str, str], run_mode: str = "cpu") -> List[str]:
+    """What a CPU run (``run_mode`` "cpu" or "checkout-cpu") uses of the user's settings: their data (or the
+    data it generates), and each setting it cannot honour, with why."""
+    generated = TASK_WORDS[GENERATED_DATA[run_mode]]
+    notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: {generated} are used"
              for name in ("TRAIN_DATA", "VALID_DATA")]
     notes.append(f"TRAIN_ITERS={env['TRAIN_ITERS']}")
     if environ.get("MAX_LENGTH", "").isdigit() and int(environ["MAX_LENGTH"]) > int(env["MAX_LENGTH"]):
@@ -369,7 +376,7 @@ def main(argv=None) -> int:
     on_cpu = run_mode in ("cpu", "checkout-cpu")
     env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
     errors = check(env)
-    if on_cpu:  # the user's TRAIN_DATA / VALID_DATA, when given (else generated CAPTCHAs)
+    if on_cpu:  # the user's TRAIN_DATA / VALID_DATA, when given (else GENERATED_DATA)
         errors += data_errors(env) + cpu_data_errors(env, kind, run_mode)
     elif env.get("DRY_RUN") != "1":  # a dry run only prints
         errors += data_errors(env)
@@ -396,7 +403,7 @@ def main(argv=None) -> int:
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
     if on_cpu:
-        for line in cpu_notes(env, dict(os.environ)):
+        for line in cpu_notes(env, dict(os.environ), run_mode):
             print(f"note: {line}", flush=True)
     if cwd:
         print(f"+ cd {shlex.quote(cwd)}", flush=True)

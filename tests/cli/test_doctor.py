@@ -143,7 +143,8 @@ def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
     import sys
     import sat_patches
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(sat_patches.__file__))),
-               SAT_PATCHES_DISABLE="quiet_third_party")  # let DeepSpeed log its accelerator line at import
+               SAT_PATCHES_DISABLE="quiet_third_party",  # let DeepSpeed log its accelerator line at import,
+               CUDA_VISIBLE_DEVICES="")  # which it logs only where it finds no GPU: none, on any machine
     env.pop("LOCAL_WORLD_SIZE", None)
     out = subprocess.run([sys.executable, "-m", "sat_patches", "doctor", "--json"], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)

@@ -271,7 +271,23 @@ def _qlora_inject():
     return build(llama=True, use_bias=False, inner_hidden_size=128, lora_rank=4, qlora=True)
 
 
-def test_qlora_inject_train_step_and_merge():
+def _repack_for_cpu_inference(model):
+    """What bitsandbytes' eval forward on CPU does to each NF4 weight on CPUs with AVX512-BF16 only
+    (``Linear4bit.support_avx512bf16_for_cpu``): repack it into its CPU kernel's layout, in place. Done here
+    by hand, so that reading such weights back (our merge, ``qlora.dequantize_nf4``) is tested on any CPU."""
+    from bitsandbytes import functional as bnbf
+    from bitsandbytes.nn import Linear4bit
+    repacked = 0
+    for layer in model.modules():
+        if isinstance(layer, Linear4bit) and not getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
+            layer.weight.data, layer.weight.quant_state = bnbf._convert_weight_packed_for_cpu(
+                layer.weight.data, layer.weight.quant_state)
+            repacked += 1
+    return repacked
+
+
+@pytest.mark.parametrize("repacked", [False, True], ids=["as-quantised", "repacked-for-cpu-inference"])
+def test_qlora_inject_train_step_and_merge(repacked):
     from bitsandbytes.nn import Linear4bit
     model = _qlora_inject()
     layer = model.transformer.layers[0]
@@ -292,7 +308,10 @@ def test_qlora_inject_train_step_and_merge():
     model.eval()
     dense = layer.attention.dense
     with torch.no_grad():
-        unmerged = logits(model, ids)  # also repacks NF4 weights (bitsandbytes' CPU inference path)
+        unmerged = logits(model, ids)  # repacks NF4 weights on CPUs with AVX512-BF16 (bitsandbytes' inference path)
+        if repacked:  # the other CPUs' branch, forced: the merge reads repacked weights
+            packed_here = _repack_for_cpu_inference(model)
+            assert packed_here or layer.attention.dense.original.support_avx512bf16_for_cpu
         expected = qlora.dequantize_nf4(dense.original) + dense.matrix_B[0] @ dense.matrix_A[0] * dense.scaling
         model.get_mixin("lora").merge_lora()
         merged = logits(model, ids)

@@ -36,20 +36,35 @@ def test_sat_line_replaced_and_curve_written(tmp_path, capsys, caplog):
     assert not (tmp_path / "stock").exists()
 
 
-@pytest.mark.slow
-def test_third_party_import_noise_is_quiet_unless_disabled():
-    import os
-    import subprocess
-    import sys
-    import sat_patches
-    source = os.path.dirname(os.path.dirname(os.path.abspath(sat_patches.__file__)))
-    code = "import sat_patches, sat, sat.model.finetune.lora2"
-    noise = ("Failed to load CPU gemm_4bit_forward", "Setting accelerator to CPU")
-    for disable, expected in (("", False), ("quiet_third_party", True)):
-        env = dict(os.environ, PYTHONPATH=source, SAT_PATCHES_DISABLE=disable)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert [n in out.stdout + out.stderr for n in noise] == [expected, expected], out.stdout + out.stderr
+# Logged on the loggers the third parties log them on, in an interpreter where sat_patches, SAT and SAT's
+# LoRA module were imported as a user's script does (so bitsandbytes' and DeepSpeed's own logging set-up is in
+# place), beside a message of ours on the same logger that must always show. The third parties log the real
+# lines only on some machines (bitsandbytes tries its faster 4-bit CPU kernel only on CPUs with AVX512-BF16;
+# DeepSpeed names its accelerator once per fresh interpreter), so the test logs them itself and holds on any CPU.
+NOISE_CODE = """
+import importlib, logging, sat_patches, sat, sat.model.finetune.lora2
+from sat_patches.core import noise
+for name, module in (("bitsandbytes.backends.cpu.ops", "bitsandbytes.backends.cpu.ops"),
+                     ("DeepSpeed", "deepspeed.utils.logging")):
+    assert importlib.import_module(module).logger.name == name  # the logger the third party logs on
+for name, text in noise.QUIETED.items():
+    logging.getLogger(name).warning(text + ": %s", "logged by the test")
+    logging.getLogger(name).warning("KEPT " + name)
+"""
+
+
+@pytest.mark.slow  # a fork of a server holding SAT's third-party imports, per state (about 1 s each)
+@pytest.mark.parametrize("disable", ["", "quiet_third_party"])
+def test_third_party_import_noise_is_quiet_unless_disabled(disable):
+    from sat_patches.core import noise
+    from zygote import run_before_sat
+    out = run_before_sat(NOISE_CODE, env={"SAT_PATCHES_DISABLE": disable})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert sorted(noise.QUIETED) == ["DeepSpeed", "bitsandbytes.backends.cpu.ops"]
+    for name, message in noise.QUIETED.items():
+        assert "KEPT " + name in text, text[-3000:]  # the logger's output is seen
+        assert (message in text) == bool(disable), text[-3000:]
 
 
 def test_pin_memory_warning_of_cpu_ranks_is_quiet_unless_disabled():

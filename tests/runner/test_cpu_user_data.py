@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from test_checkout_cpu import SCRIPTS, checkout_with_script, run
+from test_checkout_cpu import SCRIPTS, checkout_with_script, run, run_until_trained
 
 UNIQUE = "only-in-the-users-file-42"
 
@@ -47,8 +47,19 @@ def test_the_standalone_cpu_run_trains_on_the_users_jsonl_for_the_users_iteratio
     assert "note: MAX_LENGTH=1288 is cut to 512: the tiny model has 512 positions" in out.stdout
     assert "--valid-data " + str(tmp_path / "sat_patches_demo" / "cogvlm" / "data" / "valid.jsonl") in train
     assert f"note: TRAIN_DATA: {data}" in out.stdout
-    assert "note: VALID_DATA not set: generated CAPTCHAs are used" in out.stdout
+    assert "note: VALID_DATA not set: generated coloured shapes are used" in out.stdout
     assert "note: MODEL_TYPE=cogvlm-chat-v1.1 is not used on CPU ranks: a tiny model" in out.stdout
+
+
+@pytest.mark.parametrize("run_mode, generated", [("cpu", "coloured shapes"), ("checkout-cpu", "CAPTCHA images")])
+def test_the_notes_name_the_data_a_cpu_run_generates(run_mode, generated):
+    from sat_patches.runner import finetune_run
+    env = finetune_run.settings({"MODEL_KIND": "cogvlm", "CPU_RANKS": "2"})
+    assert finetune_run.cpu_notes(env, {}, run_mode)[:2] == [
+        f"TRAIN_DATA not set: generated {generated} are used", f"VALID_DATA not set: generated {generated} are used"]
+    if run_mode == "cpu":  # what the demo's prepare step is asked to draw
+        prepare = finetune_run.cpu_commands(dict(env, MASTER_PORT="1"), "cogvlm")[0]
+        assert prepare[prepare.index("--task") + 1] == "shapes"
 
 
 def test_a_checkout_smoke_test_trains_on_the_users_folder_and_refuses_jsonl_its_demo_cannot_read(tmp_path):
@@ -71,10 +82,11 @@ def test_a_checkout_smoke_test_trains_on_the_users_folder_and_refuses_jsonl_its_
 @pytest.mark.slow
 def test_the_standalone_cpu_run_reads_the_users_records(tmp_path):
     """A real run: the trained model answers the user's validation records (predictions name the record
-    only the user's file holds)."""
+    only the user's file holds). Up to training: what follows (merge, reload, export) reads no data and is
+    run whole by tests/runner/test_finetune_scripts.py."""
     data = user_jsonl(tmp_path / "data")
-    out = run(SCRIPTS["cogvlm"], {"CPU_RANKS": "2", "TRAIN_DATA": data, "VALID_DATA": data, "TRAIN_ITERS": "2",
-                                  "SAVE_INTERVAL": "2"}, cwd=tmp_path, timeout=900)
+    out = run_until_trained("cogvlm", {"CPU_RANKS": "2", "TRAIN_DATA": data, "VALID_DATA": data, "TRAIN_ITERS": "2",
+                                       "SAVE_INTERVAL": "2"}, cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     predictions = tmp_path / "sat_patches_demo" / "cogvlm" / "checkpoints" / "evaluation" / "predictions.jsonl"
     ids = [json.loads(line).get("id") for line in predictions.read_text().splitlines()]
