@@ -1,3 +1,4 @@
+import ast
 import os
 import re
 import shutil
@@ -34,6 +35,16 @@ def version() -> str:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 
+def hf_pins() -> list:
+    """The ``hf`` extra: ``PINS`` of ``sat_patches/hf_recipes.py``, the one home of that version set (read as
+    text, so that setup imports neither the package nor torch)."""
+    with open(os.path.join("sat_patches", "hf_recipes.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    [value] = [node.value for node in tree.body if isinstance(node, ast.Assign)
+               and [getattr(t, "id", None) for t in node.targets] == ["PINS"]]
+    return list(ast.literal_eval(value))
+
+
 setup(
     name="sat_patches",
     version=version(),
@@ -63,6 +74,9 @@ setup(
     extras_require={
         # `sat-patches report` draws the memory ledger as a PNG
         "report": ["matplotlib>=3.5"],
+        # the README's Hugging Face recipes (bf16 and 4-bit loads of an export, its PEFT adapter): the versions
+        # they were run with (torch stays the user's own)
+        "hf": hf_pins(),
         # peft: the PEFT adapter export is loaded by peft itself in the tests (0.21.2 with transformers 5.24)
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5", "peft==0.21.2"],
     },

@@ -16,6 +16,9 @@ p. The peer beside us (``proof_peer.py``): the released model's own HF code with
    the same CogVLM LoRA step at the same settings; tokens/s, peak memory, useful-FLOP utilisation and the
    ratio. Needs ``--hf-code DIR`` (a local copy of cogvlm-chat-hf's remote code) and, on the GPU machine,
    ``--peer-site DIR`` (transformers 4.41.2 and peft 0.11.1, installed apart); otherwise ``skipped``.
+h. The README's Hugging Face recipes on an export (``proof_recipes.py``): bf16 load, 4-bit load, the PEFT adapter.
+   Not in the default parts: each recipe's row is ``skipped`` with its reason (the remote code, transformers
+   and peft it needs; with those present, that the run is not built yet).
 
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
@@ -37,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
          "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200),
-         "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240)}  # part: (title, seconds allowed on an H100)
+         "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240),
+         "h": ("the README's Hugging Face recipes on an export", 120)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 
@@ -46,9 +50,9 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_proof", help="folder for proof.json")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the kit's own test)")
     parser.add_argument("--parts", default="cabp", help="which parts, in order (default: cabp)")
-    parser.add_argument("--hf-code", help="part p: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
+    parser.add_argument("--hf-code", help="parts p and h: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
                                           "configuration_cogvlm.py")
-    parser.add_argument("--peer-site", help="part p: folder with transformers 4.41.2 and peft 0.11.1 installed "
+    parser.add_argument("--peer-site", help="parts p and h: folder with transformers 4.41.2 and peft 0.11.1 installed "
                                             "(put first on sys.path in that part only)")
     parser.add_argument("--scratch", default=None, help="local disk for part b's checkpoint (default: a temp dir)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
@@ -68,7 +72,7 @@ def options(argv=None) -> argparse.Namespace:
 def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, peer_site=None) -> None:
     sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration")]
     from proof_record import Recorder, stand_in_unused
-    if part == "p":
+    if part in ("p", "h"):
         import proof_peer
         proof_peer.prepare_imports(peer_site)  # before SAT, which imports transformers
     stand_in_unused()
@@ -89,6 +93,9 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
         rec.guarded(proof_steps.qlora, tiny, scratch)
     elif part == "p":
         rec.guarded(proof_peer.run, tiny, hf_code)
+    elif part == "h":
+        import proof_recipes
+        rec.guarded(proof_recipes.run, tiny, hf_code)
     rec.save()
 
 

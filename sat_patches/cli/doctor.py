@@ -4,8 +4,9 @@ Checks torch/CUDA/NCCL, SAT, DeepSpeed, bitsandbytes (and its CUDA binary), ninj
 model, memory, driver alike); host RAM against what a planned run needs (``--model``, see
 ``sat-patches plan``); LOCAL_WORLD_SIZE / WORLD_SIZE / CUDA_VISIBLE_DEVICES and ``.deepspeed_env``;
 the hostfile; NCCL_* and PYTORCH_CUDA_ALLOC_CONF; the collective timeout; which sat_patches patches
-are applied. Every problem says what to do. Exit status 1 when any check fails (blocking), else 0.
-It runs, and says what matters, on a CPU-only machine too.
+are applied; transformers/accelerate against the version set of the README's Hugging Face recipes.
+Every problem says what to do. Exit status 1 when any check fails (blocking), else 0. It runs, and says
+what matters, on a CPU-only machine too.
 
 The checks are functions of a :class:`Facts` snapshot, so each can be tested with made-up facts.
 """
@@ -23,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import sat_patches
 
+from .. import hf_recipes
 from ..core import settings
 from ..core.registry import IN_ORDER, VERIFIED_SAT
 from ..planning import estimator as plan
@@ -116,6 +118,8 @@ def gather(hostfile: str = "hostfile") -> Facts:
     v["deepspeed"] = _version("deepspeed")
     v["bitsandbytes"] = _version("bitsandbytes")
     v["matplotlib"] = _version("matplotlib")
+    v["transformers"] = _version("transformers")
+    v["accelerate"] = _version("accelerate")
     v["sat_patches"] = _version("sat_patches")
     facts.cuda_available = torch.cuda.is_available()
     if facts.cuda_available:
@@ -435,11 +439,36 @@ def check_report_deps(f: Facts) -> Check:
                  "pip install 'sat_patches[report]'")
 
 
+def check_hf_recipes(f: Facts) -> Check:
+    """The installed transformers/accelerate against the version set the README's Hugging Face recipes were run
+    with (:mod:`sat_patches.hf_recipes`): a pair known to break the 4-bit load is a warning, with the fix; other
+    versions outside the set are information (the recipes are optional)."""
+    transformers, accelerate = f.versions.get("transformers"), f.versions.get("accelerate")
+    fix = f"{hf_recipes.EXTRA} (the tested set: {' '.join(hf_recipes.PINS)})"
+    if not transformers:
+        return Check("hf recipes", INFO, f"no transformers; the README's Hugging Face recipes: {hf_recipes.EXTRA}")
+    t = hf_recipes.release(transformers)
+    if t >= hf_recipes.FIRST_TRANSFORMERS_WITHOUT_REMOTE_CODE:
+        return Check("hf recipes", INFO, f"transformers {transformers}: the released CogVLM code needs 4.x; for the "
+                     f"README's Hugging Face recipes: {hf_recipes.EXTRA}")
+    a = hf_recipes.release(accelerate) if accelerate else ()
+    broken_t, broken_a = hf_recipes.BROKEN_4BIT
+    if t[:2] <= hf_recipes.LAST_TRANSFORMERS_OF_THE_PAIR and a >= hf_recipes.FIRST_ACCELERATE_OF_THE_PAIR:
+        return Check("hf recipes", WARN, f"transformers {transformers} with accelerate {accelerate}: the 4-bit load "
+                     f"fails ('.to is not supported for 4-bit or 8-bit bitsandbytes models'; measured with "
+                     f"transformers {broken_t} and accelerate {broken_a})", fix)
+    tested = (hf_recipes.pinned("transformers"), hf_recipes.pinned("accelerate"))
+    if (transformers, accelerate) == tested:
+        return Check("hf recipes", OK, f"transformers {transformers}, accelerate {accelerate} (the tested set)")
+    return Check("hf recipes", INFO, f"transformers {transformers}, accelerate {accelerate or '-'}; the Hugging Face "
+                 f"recipes were run with {tested[0]} and {tested[1]}: {hf_recipes.EXTRA}")
+
+
 CHECKS: List[Callable[[Facts], Check]] = [
     check_torch, check_nccl, check_sat, check_deepspeed, check_bitsandbytes, check_ninja, check_gpus,
     check_host_memory, check_ranks_env, check_hostfile, check_comm_env, check_collective_timeout, check_settings,
     check_patches,
-    check_report_deps,
+    check_report_deps, check_hf_recipes,
 ]
 
 

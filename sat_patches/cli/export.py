@@ -24,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
     hf.add_argument("--max-shard-size", type=float, default=2000, metavar="MB",
                     help="largest safetensors shard, in MB (default 2000)")
     hf.add_argument("--hf-code", metavar="DIR", help="your local copy of the model's hub repository "
-                    "(THUDM/cogvlm-chat-hf, cogagent-chat-hf): its .py files are copied for trust_remote_code")
+                    "(THUDM/cogvlm-chat-hf, cogagent-chat-hf): its .py files are copied for trust_remote_code, offline "
+                    "(default: config.json's auto_map names the released repository's code)")
     peft = sub.add_parser("peft", help="a LoRA run's adapters -> PEFT adapter for the exported model")
     peft.add_argument("checkpoint", help="SAT checkpoint with LoRA matrices (an adapter-only save, or unmerged)")
     peft.add_argument("output", help="new folder for adapter_config.json and adapter_model.safetensors")

@@ -5,9 +5,11 @@ CogVLM only) and #302 (that sketch fails on LoRA's ``query_key_value.original.we
 :class:`~sat_patches.export.source.SatCheckpoint` reads (model-parallel shards, unmerged LoRA folded in,
 an adapter-only save with its base) becomes the layout of ``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf``:
 ``config.json``, ``generation_config.json``, ``model-0000i-of-0000n.safetensors`` shards and
-``model.safetensors.index.json``; with ``hf_code`` the model's own ``.py`` files are copied from the
-user's local copy of the hub repository, so ``AutoModelForCausalLM.from_pretrained(OUT,
-trust_remote_code=True)`` works offline.
+``model.safetensors.index.json``. ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
+finds the model's own code in one of two ways: without ``hf_code`` the ``auto_map`` of ``config.json`` names
+the released hub repository's files (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``: fetched by
+transformers when it loads); with ``hf_code`` the ``.py`` files are copied from the user's local copy of the
+hub repository and ``auto_map`` names them in the folder, so it loads offline.
 
 Streamed: one tensor at a time from the memory-mapped shards into the shard file being written (the
 pages it read are dropped after), so host memory stays near the largest tensor, never the model. The
@@ -65,7 +67,7 @@ def export_hf(checkpoint: str, out: str, iteration: Optional[int] = None, lora_a
     n = len(shards)
     weight_map, total = {}, 0
     dtype_name = str(src.dtype()).replace("torch.", "")
-    config = names.hf_config(src.config, dtype_name)
+    config = names.hf_config(src.config, dtype_name, local_code=bool(code))
 
     def produce(hf_name: str) -> torch.Tensor:
         t = src.tensor(to_sat[hf_name])

@@ -17,12 +17,15 @@ from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, EVA_E_ARGS
 
 SAT_DEFAULT_EPS = 1e-5   # SAT's --layernorm-epsilon default, what a model_config.json without one was built with
 MODELS = {"CogVLMModel": "CogVLMForCausalLM", "CogAgentModel": "CogAgentForCausalLM"}
+# the released config.json's auto_map: its remote code as files of the folder itself
 AUTO_MAP = {
     "CogVLMModel": {"AutoConfig": "configuration_cogvlm.CogVLMConfig",
                     "AutoModelForCausalLM": "modeling_cogvlm.CogVLMForCausalLM"},
     "CogAgentModel": {"AutoConfig": "configuration_cogagent.CogAgentConfig",
                       "AutoModelForCausalLM": "modeling_cogagent.CogAgentForCausalLM"},
 }
+# the hub repositories that code is released in
+HUB_REPOS = {"CogVLMModel": "THUDM/cogvlm-chat-hf", "CogAgentModel": "THUDM/cogagent-chat-hf"}
 INV_FREQ = "mixins.rotary.rotary_emb.inv_freq"
 HF_INV_FREQ = "model.layers.{}.self_attn.rotary_emb.inv_freq"
 
@@ -125,8 +128,19 @@ def _template(config: dict) -> str:
     return "chat" if config.get("text_processor_version") == "chat" else "base"
 
 
-def hf_config(config: dict, torch_dtype: str) -> dict:
-    """``config.json`` of the HF folder for a SAT ``model_config.json`` ``config`` (CogVLM or CogAgent)."""
+def auto_map(model_class: str, local_code: bool) -> dict:
+    """``config.json``'s ``auto_map``: with ``local_code`` the released one (the code's files sit in the folder);
+    without, each class in transformers' hub-reference form ``"<repository>--<module>.<Class>"``
+    (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``), which ``trust_remote_code`` reads as code taken
+    from that repository, so a folder without the ``.py`` files still loads where the hub can be reached."""
+    if local_code:
+        return dict(AUTO_MAP[model_class])
+    return {auto: f"{HUB_REPOS[model_class]}--{ref}" for auto, ref in AUTO_MAP[model_class].items()}
+
+
+def hf_config(config: dict, torch_dtype: str, local_code: bool = False) -> dict:
+    """``config.json`` of the HF folder for a SAT ``model_config.json`` ``config`` (CogVLM or CogAgent); its
+    ``auto_map`` names the code in the folder with ``local_code``, else the released repository's (:func:`auto_map`)."""
     cls = config["model_class"]
     if cls not in MODELS:
         raise ValueError(f"model_class {cls!r} is not CogVLM or CogAgent ({', '.join(MODELS)})")
@@ -134,7 +148,7 @@ def hf_config(config: dict, torch_dtype: str) -> dict:
     image = eva["image_size"][0] if isinstance(eva.get("image_size"), list) else eva.get("image_size", 224)
     out = {
         "architectures": [MODELS[cls]],
-        "auto_map": AUTO_MAP[cls],
+        "auto_map": auto_map(cls, local_code),
         "bos_token_id": config.get("bos_token_id", 1), "eos_token_id": config.get("eos_token_id", 2),
         "pad_token_id": config.get("pad_token_id", 0),
         "hidden_act": "silu", "hidden_size": config["hidden_size"], "initializer_range": 0.02,

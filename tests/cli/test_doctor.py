@@ -16,7 +16,7 @@ def gpu_box(**kw):
                  ninja="/usr/bin/ninja", host_total_gb=1000.0, host_available_gb=900.0,
                  versions={"python": "3.11.7", "torch": "2.4.0+cu121", "torch_cuda": "12.1", "nccl": "2.20.5",
                            "sat": "0.4.12", "deepspeed": "0.14.4", "bitsandbytes": "0.43.1", "matplotlib": "3.9.0",
-                           "sat_patches": "0.1.0"},
+                           "transformers": "4.41.2", "accelerate": "0.30.1", "sat_patches": "0.1.0"},
                  net_interfaces=["eth0", "ib0", "lo"],
                  patches=[{"name": "process_group_backend", "status": "applied", "reason": ""}])
     facts.update(kw)
@@ -83,6 +83,10 @@ CASES = [
     ("patches", gpu_box(), gpu_box(patches=[{"name": "lora_linear", "status": "skipped", "reason": "differs"}]),
      "sat-patches status", WARN),
     ("report", gpu_box(), with_versions(matplotlib=None), "sat_patches[report]", WARN),
+    # the pair measured to break the README's 4-bit recipe, and the fix: the hf extra
+    ("hf recipes", gpu_box(), with_versions(accelerate="1.15.0"), 'pip install "sat_patches[hf]"', WARN),
+    ("hf recipes", with_versions(transformers="4.38.2", accelerate="0.27.2"), with_versions(accelerate="1.0.0rc1"),
+     "transformers 4.41.2 and accelerate 1.15.0", WARN),
 ]
 
 
@@ -103,6 +107,17 @@ def test_check_passes_and_fails_with_what_to_do(name, good, bad, words, status):
 
 def test_every_check_has_a_case():
     assert {c[0] for c in CASES} == {check(gpu_box()).name for check in doctor.CHECKS}
+
+
+def test_hf_recipes_outside_the_breaking_pair_say_what_is_installed():
+    """In the tested set: ok. transformers 5.x, or one too new for the pair, or none: information, with the extra."""
+    assert _check("hf recipes", gpu_box()).status == OK
+    for versions, words in (({"transformers": "5.24.0", "accelerate": "1.15.0"}, "released CogVLM code needs 4.x"),
+                            ({"transformers": "4.46.0", "accelerate": "1.15.0"}, "were run with 4.41.2 and 0.30.1"),
+                            ({"transformers": None, "accelerate": None}, "no transformers")):
+        check = _check("hf recipes", with_versions(**versions))
+        assert check.status == INFO and words in check.summary, check
+        assert 'pip install "sat_patches[hf]"' in check.summary
 
 
 def test_cpu_only_machine_has_no_blocking_problem():
@@ -126,7 +141,7 @@ def test_doctor_on_this_machine_one_screen_json_and_exit_status(capsys, monkeypa
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert len(out.splitlines()) <= 40 and ("blocking" in out or "no problems found" in out)
+    assert len(out.splitlines()) <= 42 and ("blocking" in out or "no problems found" in out)
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["blocking"] == 0 and {c["name"] for c in data["checks"]} >= {"torch", "sat", "patches"}

@@ -68,3 +68,19 @@ def test_names_refuse_what_has_no_place():
         names.hf_name("mixins.ptuning.prefix.weight")
     with pytest.raises(names.UnknownKeyError, match="not a tensor of CogVLM/CogAgent"):
         names.sat_name("model.layers.0.self_attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("model_class", sorted(names.MODELS))
+def test_auto_map_is_local_with_the_code_and_the_released_repository_without(model_class):
+    """transformers reads ``"<repo>--<module>.<Class>"`` as code from ``<repo>`` (split at ``--``, then at ``.``):
+    each hub reference names the module and class the local ``auto_map`` names, in the released repository."""
+    from sat_patches.export.hf import _CODE
+    local, hub = names.auto_map(model_class, True), names.auto_map(model_class, False)
+    assert local == names.AUTO_MAP[model_class] and set(hub) == set(local) == {"AutoConfig", "AutoModelForCausalLM"}
+    for auto, reference in hub.items():
+        repo, ref = reference.split("--")
+        assert repo == names.HUB_REPOS[model_class] and ref == local[auto]
+        module, cls = ref.split(".")
+        assert module + ".py" in _CODE[model_class]
+    assert local["AutoModelForCausalLM"].endswith("." + names.MODELS[model_class])
+    assert names.HUB_REPOS == {"CogVLMModel": "THUDM/cogvlm-chat-hf", "CogAgentModel": "THUDM/cogagent-chat-hf"}

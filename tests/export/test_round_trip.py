@@ -94,12 +94,26 @@ def test_exported_folder_layout_and_config(tmp_path):
                        "visual.py"]
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["architectures"] == ["CogAgentForCausalLM"]
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_cogagent.CogAgentForCausalLM"
+    assert config["auto_map"] == {"AutoConfig": "configuration_cogagent.CogAgentConfig",   # the copied files
+                                  "AutoModelForCausalLM": "modeling_cogagent.CogAgentForCausalLM"}
     assert config["rms_norm_eps"] == 1e-6 and config["torch_dtype"] == "float32"
     assert config["template_version"] == "chat" and config["cross_image_size"] == 112
     assert config["cross_compute_hidden_size"] == 4 * 16 and config["cross_hidden_size"] == 64
     assert config["vision_config"]["num_positions"] == 17 and config["vision_config"]["image_size"] == 56
     assert sorted(os.listdir(tmp_path)) == ["hf", "hub", "sat"]      # nothing staged left beside OUT
+
+
+@pytest.mark.parametrize("kind, repo, module, cls", [
+    ("cogvlm", "THUDM/cogvlm-chat-hf", "cogvlm", "CogVLM"), ("cogagent", "THUDM/cogagent-chat-hf", "cogagent", "CogAgent")])
+def test_without_hf_code_auto_map_names_the_released_repository(kind, repo, module, cls, tmp_path):
+    """No ``.py`` files in the folder: ``auto_map`` takes the code from the released hub repository."""
+    model, args = build(kind)
+    sat = save(str(tmp_path / "sat"), model.state_dict(), config_of(args))
+    export_hf(sat, str(tmp_path / "hf"))
+    assert not [f for f in os.listdir(tmp_path / "hf") if f.endswith(".py")]
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["auto_map"] == {"AutoConfig": f"{repo}--configuration_{module}.{cls}Config",
+                                  "AutoModelForCausalLM": f"{repo}--modeling_{module}.{cls}ForCausalLM"}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
