@@ -62,7 +62,7 @@ def _say_device(kind: str, ranks: int) -> None:
     why = " (no CUDA device: DeepSpeed runs on its CPU accelerator)" if kind == "cpu" else ""
     print(f"sat_patches: {ranks} rank(s) compute on {kind}{why}", flush=True)
     if devices.shared_gpu():
-        print("sat_patches: SAT_PATCHES_SHARED_GPU=1: " + (
+        print(f"sat_patches: SAT_PATCHES_SHARED_GPU=1 (process group backend '{dist.get_backend()}'): " + (
             "no GPU to share on CPU ranks; their collectives still pass through the host relay's process group "
             "(CPU tensors over gloo)" if kind == "cpu" else
             "several ranks share each GPU; every CUDA collective goes through host copies over gloo (a debugging "
