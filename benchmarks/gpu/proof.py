@@ -4,7 +4,7 @@
     python benchmarks/gpu/proof.py --tiny --out DIR     # tiny models on the CPU: the kit's own check
 
 Parts, each in its own process with its own time limit, so one that fails, runs out of memory or
-hangs cannot hide the others (order c, a, b: the quick checks first):
+hangs cannot hide the others (order c, s, a, b, p: the quick checks first):
 
 c. CUDA paths (``proof_cuda.py``): triton rotary == torch fallback, xformers stand-in == math, LoRA and
    mixins on the device in bf16, CUDA RNG tracker restored bit for bit, the ledger's CUDA figures,
@@ -12,6 +12,8 @@ c. CUDA paths (``proof_cuda.py``): triton rotary == torch fallback, xformers sta
 a. Full-size CogVLM-17B and CogAgent-18B LoRA steps beside the plan's 1 x 80 GB row, sat_patches and stock SAT
    (``proof_steps.py``).
 b. QLoRA from a bf16 checkpoint on local disk beside the plan's 1 x 24 GB row (``proof_steps.py``).
+s. Two ranks sharing the card through the host relay (``proof_shared.py``, ``SAT_PATCHES_SHARED_GPU=1``): both
+   on ``cuda:0``, the collectives SAT and DeepSpeed ZeRO-2 use, a CPU tensor refused on the CUDA-only group.
 p. The peer beside us (``proof_peer.py``): the released model's own HF code with PEFT and SAT + sat_patches,
    the same CogVLM LoRA step at the same settings; tokens/s, peak memory, useful-FLOP utilisation and the
    ratio. Needs ``--hf-code DIR`` (a local copy of cogvlm-chat-hf's remote code) and, on the GPU machine,
@@ -41,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
          "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200),
          "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240),
+         "s": ("two ranks sharing the card: the host relay", 60),
          "h": ("the README's Hugging Face recipes on an export", 120)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
@@ -49,7 +52,7 @@ def options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_proof", help="folder for proof.json")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the kit's own test)")
-    parser.add_argument("--parts", default="cabp", help="which parts, in order (default: cabp)")
+    parser.add_argument("--parts", default="csabp", help="which parts, in order (default: csabp)")
     parser.add_argument("--hf-code", help="parts p and h: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
                                           "configuration_cogvlm.py")
     parser.add_argument("--peer-site", help="parts p and h: folder with transformers 4.41.2 and peft 0.11.1 installed "
@@ -93,6 +96,9 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
         rec.guarded(proof_steps.qlora, tiny, scratch)
     elif part == "p":
         rec.guarded(proof_peer.run, tiny, hf_code)
+    elif part == "s":
+        import proof_shared
+        rec.guarded(proof_shared.run, tiny)
     elif part == "h":
         import proof_recipes
         rec.guarded(proof_recipes.run, tiny, hf_code)

@@ -98,6 +98,8 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("SAT_PATCHES_FORCE", "switch", False, "apply patches where SAT's code differs from the verified one"),
     # devices and loading
     Setting("SAT_PATCHES_DEVICE", "text", None, "the device new tensors of a rank go to (tests: meta, cpu)"),
+    Setting("SAT_PATCHES_SHARED_GPU", "switch", False, "several ranks share one GPU, for debugging (their CUDA "
+            "collectives go through host copies over gloo)"),
     Setting("SAT_PATCHES_TRUST_CHECKPOINTS", "switch", False,
             "unpickle checkpoint files in full, for files from someone you trust"),
     Setting("SAT_PATCHES_LOAD_CHUNK_MB", "megabytes", 64.0, "the largest piece of a checkpoint tensor read at once"),

@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 
 from ..core.registry import Patch, expect_names, expect_params
-from ..runtime.distributed import (explained_collectives, get_args_on_cpu, initialize_distributed_destroyed_at_exit,
-                                   initialize_distributed_with_backend, training_device,)
+from ..runtime.distributed import (explained_collectives, get_args_on_compute_device,
+                                   initialize_distributed_destroyed_at_exit, initialize_distributed_with_backend,
+                                   training_device,)
 
 
 def _initialize_distributed(original):
@@ -32,10 +33,11 @@ def _destroy_at_exit(original):
 
 
 def _get_args(original):
-    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU."""
+    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU (and where
+    ranks share a GPU)."""
     @functools.wraps(original)
     def get_args(*args, **kwargs):
-        return get_args_on_cpu(original, *args, **kwargs)
+        return get_args_on_compute_device(original, *args, **kwargs)
     return get_args
 
 

@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from ..cogvlm.config import tiny_config
+from ..core import settings
 from ..core.kinds import NAMES
 from ..cogvlm.shapes import RELEASED, upstream_config
 from ..data.jsonl import check_data_path
@@ -127,6 +128,25 @@ def data_errors(env: dict) -> List[str]:
             for problem in check_data_path(env[name])]
 
 
+def _gpus_per_rank_errors(env: dict, per_node: int, visible: Optional[int]) -> List[str]:
+    """A GPU each, or, in the shared-GPU debugging mode (``SAT_PATCHES_SHARED_GPU=1``), fewer GPUs than ranks."""
+    try:
+        shared = settings.read("SAT_PATCHES_SHARED_GPU", env)
+    except settings.SettingError as exc:
+        return [str(exc)]
+    if visible is None:
+        return []
+    if shared and per_node <= visible:
+        return [f"SAT_PATCHES_SHARED_GPU=1 lets several ranks share a GPU, but NUM_GPUS_PER_WORKER={per_node} ranks "
+                f"on {visible} visible GPU(s) have a card each: unset SAT_PATCHES_SHARED_GPU (a debugging mode: its "
+                f"collectives go through host copies) and the ranks use NCCL."]
+    if not shared and per_node > visible:
+        return [f"NUM_GPUS_PER_WORKER={per_node} but this node has {visible} visible GPU(s): set "
+                f"NUM_GPUS_PER_WORKER={visible} (or make more GPUs visible via CUDA_VISIBLE_DEVICES; to debug "
+                f"several ranks on one GPU, SAT_PATCHES_SHARED_GPU=1)."]
+    return []
+
+
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")
@@ -155,9 +175,7 @@ def check(env: dict) -> List[str]:
         errors.append(f"MP_SIZE={mp} does not divide the {heads} attention heads of {env.get('MODEL_TYPE')}: "
                       f"set MP_SIZE to one of {fits}.")
     if not cpu:
-        if visible is not None and per_node > visible:
-            errors.append(f"NUM_GPUS_PER_WORKER={per_node} but this node has {visible} visible GPU(s): set "
-                          f"NUM_GPUS_PER_WORKER={visible} (or make more GPUs visible via CUDA_VISIBLE_DEVICES).")
+        errors += _gpus_per_rank_errors(env, per_node, visible)
     lws = env.get("LOCAL_WORLD_SIZE")
     if lws not in (None, "") and lws != str(per_node):
         errors.append(f"LOCAL_WORLD_SIZE={lws} but each node runs {per_node} ranks ({unit}): SAT would build no "

@@ -1,7 +1,8 @@
 """The device policy: where a rank's new tensors belong (``cuda:<LOCAL_RANK>``, else ``cpu``), the device its
 collectives use, and a CUDA synchronize only where the device is CUDA. Tests (or ``SAT_PATCHES_DEVICE=meta``)
 point it elsewhere with :func:`use_device` to prove that allocations follow it instead of a hard-coded device.
-A ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU.
+A ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU, except in the
+debugging mode ``SAT_PATCHES_SHARED_GPU=1`` (:func:`shared_gpu`), where ranks share the GPUs on purpose.
 """
 from __future__ import annotations
 
@@ -35,12 +36,40 @@ def compute_device() -> torch.device:
         return torch.device(env)
     if cuda_available():
         count = torch.cuda.device_count()
+        if shared_gpu():
+            return torch.device("cuda", local_rank() % count)
         if local_rank() >= count:  # a modulo would silently put two ranks on one GPU
             raise RuntimeError(f"sat_patches: LOCAL_RANK={local_rank()} but {describe()}: this node runs more ranks "
                                f"than it has GPUs. Lower the GPUs per node (NUM_GPUS_PER_WORKER / --nproc-per-node) "
-                               f"to {count}, or make more GPUs visible.")
+                               f"to {count}, or make more GPUs visible (to debug several ranks on one GPU: "
+                               f"SAT_PATCHES_SHARED_GPU=1).")
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
+
+
+def local_world_size() -> int:
+    """The ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, DeepSpeed's launcher's ``LOCAL_SIZE``, else
+    ``WORLD_SIZE`` (one node)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def shared_gpu() -> bool:
+    """``SAT_PATCHES_SHARED_GPU=1``: the node's ranks share its GPUs (``cuda:<LOCAL_RANK % GPUs>``), a debugging
+    mode whose CUDA collectives go through host copies (:mod:`sat_patches.runtime.host_relay`). Refused where
+    each rank has a card of its own: there NCCL is the faster and the real path. Without CUDA it is on, with
+    nothing to share: the ranks compute on CPU and their collectives still pass through the relay's group."""
+    if not settings.read("SAT_PATCHES_SHARED_GPU"):
+        return False
+    count = torch.cuda.device_count() if cuda_available() else 0
+    if count and local_world_size() <= count:
+        raise RuntimeError(f"sat_patches: SAT_PATCHES_SHARED_GPU=1 lets several ranks share a GPU, but this node "
+                           f"runs {local_world_size()} rank(s) and {describe()}: each rank has a card of its own. "
+                           f"Unset SAT_PATCHES_SHARED_GPU (a debugging mode: its collectives go through host "
+                           f"copies) and the ranks use NCCL.")
+    return True
 
 
 def describe() -> str:

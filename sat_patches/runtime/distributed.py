@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..core.coordination import NO_BACKEND, error_kinds
 from ..core.registry import SatPatchesWarning
-from . import devices
+from . import devices, host_relay
 
 
 def process_group_backend(requested: str = "nccl") -> str:
@@ -22,18 +22,21 @@ def process_group_backend(requested: str = "nccl") -> str:
     ``gloo``/``ucc``/``mpi`` (they serve CPU) and mapping strings that already name a CPU backend
     stay as they are. A backend that serves only CUDA (``nccl``, or one registered with
     ``devices=["cuda"]``) becomes ``cpu:gloo,cuda:<it>``; plain ``nccl`` on a machine without CUDA or
-    NCCL becomes ``gloo``.
+    NCCL becomes ``gloo``. With ``SAT_PATCHES_SHARED_GPU=1`` (several ranks on one GPU, which NCCL refuses)
+    the host relay takes NCCL's place (:func:`~sat_patches.runtime.host_relay.relayed_backend`), on CPU ranks too.
     """
+    shared = devices.shared_gpu()
     requested = (requested or "nccl").strip()
     if ":" in requested:
         devices_named = {part.split(":")[0].strip() for part in requested.split(",")}
-        return requested if "cpu" in devices_named else f"cpu:gloo,{requested}"
-    capability = dist.Backend.backend_capability.get(requested.lower())
-    if capability is None or "cpu" in capability:
-        return requested
-    if requested.lower() == "nccl" and not (devices.cuda_available() and dist.is_nccl_available()):
-        return "gloo"
-    return f"cpu:gloo,cuda:{requested}"
+        backend = requested if "cpu" in devices_named else f"cpu:gloo,{requested}"
+    elif dist.Backend.backend_capability.get(requested.lower(), ["cpu"]).count("cpu"):  # unknown: as asked
+        backend = requested
+    elif requested.lower() == "nccl" and not shared and not (devices.cuda_available() and dist.is_nccl_available()):
+        backend = "gloo"
+    else:
+        backend = f"cpu:gloo,cuda:{requested}"
+    return host_relay.relayed_backend(backend) if shared else backend
 
 
 def destroy_group_at_exit() -> None:
@@ -54,9 +57,16 @@ def _all_gather_text(text: str, size: int = 512) -> list:
 
 
 def _say_device(kind: str, ranks: int) -> None:
-    """Once per job: where it computes (DeepSpeed's own accelerator line is filtered out as noise)."""
+    """Once per job: where it computes (DeepSpeed's own accelerator line is filtered out as noise), and, in
+    the shared-GPU debugging mode, what that costs or that there is no GPU to share."""
     why = " (no CUDA device: DeepSpeed runs on its CPU accelerator)" if kind == "cpu" else ""
     print(f"sat_patches: {ranks} rank(s) compute on {kind}{why}", flush=True)
+    if devices.shared_gpu():
+        print(f"sat_patches: SAT_PATCHES_SHARED_GPU=1 (process group backend '{dist.get_backend()}'): " + (
+            "no GPU to share on CPU ranks; their collectives still pass through the host relay's process group "
+            "(CPU tensors over gloo)" if kind == "cpu" else
+            "several ranks share each GPU; every CUDA collective goes through host copies over gloo (a debugging "
+            "mode: slower than NCCL)"), flush=True)
 
 
 def check_ranks_agree_on_device() -> None:
@@ -145,12 +155,17 @@ def initialize_distributed_destroyed_at_exit(original, args):
     return result
 
 
-def get_args_on_cpu(original, args_list=None, parser=None):
-    """SAT's ``get_args`` (sat/arguments.py; ``original``) fails on CPU with ``LOCAL_RANK (default 0) and
-    args.device inconsistent``: without CUDA it sets ``args.device = 'cpu'``, then compares it with
-    ``args.local_rank`` and refuses to train. While SAT checks (and sets up torch.distributed) both name the
-    CPU device; the integer local rank is put back before this returns. On CUDA, SAT's own."""
-    if devices.compute_device().type == "cuda":
+def get_args_on_compute_device(original, args_list=None, parser=None):
+    """SAT's ``get_args`` (sat/arguments.py; ``original``) sets ``args.device`` to ``LOCAL_RANK`` and refuses
+    any other device: on CPU (``LOCAL_RANK (default 0) and args.device inconsistent``: without CUDA it sets
+    ``args.device = 'cpu'``, then compares it with ``args.local_rank``), and where ranks share a GPU
+    (``SAT_PATCHES_SHARED_GPU=1``: rank 1 on a one-GPU node would ask for ``cuda:1``). While SAT checks (and sets
+    up torch.distributed) both name the compute device; the integer local rank is put back before this returns.
+    Where ranks share a GPU, ``args.device_rank`` names it for DeepSpeed's engine too (it otherwise takes the
+    local rank). Where each rank has its own GPU, SAT's own."""
+    compute = devices.compute_device()
+    device = compute.index if compute.type == "cuda" else "cpu"
+    if device == devices.local_rank():
         return original(args_list, parser)
     parser = parser if parser is not None else argparse.ArgumentParser(description="sat")
     parse, local_rank = parser.parse_args, []
@@ -159,7 +174,7 @@ def get_args_on_cpu(original, args_list=None, parser=None):
         ns = parse(*a, **kw)
         if getattr(ns, "device", None) == -1:
             local_rank.append(ns.local_rank if ns.local_rank is not None else devices.local_rank())
-            ns.device = ns.local_rank = "cpu"
+            ns.device = ns.local_rank = device
         return ns
 
     parser.parse_args = parse_args
@@ -169,4 +184,6 @@ def get_args_on_cpu(original, args_list=None, parser=None):
         del parser.parse_args
     if local_rank:
         args.local_rank = local_rank[0]
+    if compute.type == "cuda":
+        args.device_rank = device
     return args

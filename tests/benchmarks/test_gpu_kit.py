@@ -192,6 +192,16 @@ def test_the_kit_says_what_its_parts_cost_before_running_and_when_one_call_canno
     quick = proof.cost_preview("c")
     assert quick.splitlines()[0] == "parts c: up to 60 s of device time in all (machine start not counted)"
     assert "more than one device call" not in quick
-    everything = proof.cost_preview("cabp")
-    assert f"up to {sum(proof.PARTS[p][1] for p in 'cabp'):.0f} s" in everything
+    everything = proof.cost_preview("csabp")
+    assert f"up to {sum(proof.PARTS[p][1] for p in 'csabp'):.0f} s" in everything
     assert "more than one device call allows (600 s)" in everything
+
+
+def test_the_shared_gpu_part_skips_with_the_reason_without_cuda():
+    sys.path[:0] = [KIT]
+    import proof_record
+    import proof_shared
+    rec = proof_record.Recorder("s")
+    proof_shared.run(rec, True)
+    [row] = rec.rows
+    assert row.check.startswith("2 ranks share one card") and row.status == "skipped: no CUDA", row

@@ -211,6 +211,21 @@ def test_cogagent_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.multirank
+def test_the_shared_gpu_mode_runs_the_checkouts_demo_on_two_cpu_ranks_at_mp2(tmp_path):
+    """SAT_PATCHES_SHARED_GPU=1, the debugging mode for several ranks on one GPU, through the user's commands
+    at tiny size: the checkout's demo under DeepSpeed ZeRO-2 at MP=2, two steps, the merge. On CPU ranks there is
+    no GPU to share: the run says so once, and every collective passes through the host relay's process group."""
+    _, script = checkout_with_script(tmp_path, "cogvlm")
+    out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2", "SAT_PATCHES_SHARED_GPU": "1"}, cwd=tmp_path,
+              timeout=900)
+    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm", iters=2)
+    said = re.findall(r"^sat_patches: SAT_PATCHES_SHARED_GPU=1 \(process group backend '(\w+)'\): no GPU to share "
+                      r"on CPU ranks", out.stdout, re.M)
+    assert said == ["hostrelay"], out.stdout[-3000:]  # the training run's, once
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.skipif(not os.environ.get("SAT_PATCHES_COGVLM_CHECKOUT"),
                     reason="set SAT_PATCHES_COGVLM_CHECKOUT to a CogVLM checkout (or a fork) to run its own demo")
 def test_a_real_checkouts_cogvlm_demo_trains_on_two_cpu_ranks_and_merges(tmp_path):

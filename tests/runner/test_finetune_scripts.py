@@ -45,9 +45,15 @@ def run(script, env=None, cwd=None, timeout=300):
     ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "EVALUATE": "yes"}, "EVALUATE='yes': set EVALUATE=1"),
     ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "1", "SAVE_ADAPTER_ONLY": "yes"},
      "SAVE_ADAPTER_ONLY='yes': set 1"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "SAT_PATCHES_SHARED_GPU": "1"},
+     "SAT_PATCHES_SHARED_GPU=1 lets several ranks share a GPU, but NUM_GPUS_PER_WORKER=2 ranks on 2 visible GPU(s) "
+     "have a card each: unset SAT_PATCHES_SHARED_GPU"),
+    ({"CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "2", "SAT_PATCHES_SHARED_GPU": "yes"},
+     "SAT_PATCHES_SHARED_GPU='yes': set it to 1"),
 ], ids=["mp-world", "mp-heads", "gpus-visible", "local-world-size", "hostfile", "not-a-number", "trainable",
          "micro-batch",
-         "ds-config", "qlora-mp2", "qlora-word", "evaluate-word", "adapter-word"])
+         "ds-config", "qlora-mp2", "qlora-word", "evaluate-word", "adapter-word", "shared-gpu-card-each",
+         "shared-gpu-word"])
 def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
     out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -71,6 +77,16 @@ def test_resume_settings_continue_a_saved_run_from_the_chosen_iteration(tmp_path
                          ({"RESUME": str(run_dir), "RESUME_ITERATION": "3"}, "holds iterations 2, 4: set")):
         out = run(SCRIPTS["cogvlm"], dict(gpus, **env), cwd=tmp_path)
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_shared_gpu_mode_launches_two_ranks_on_one_visible_gpu(tmp_path):
+    env = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2"}
+    refused = run(SCRIPTS["cogvlm"], env, cwd=tmp_path)
+    assert refused.returncode == 2 and "to debug several ranks on one GPU, SAT_PATCHES_SHARED_GPU=1" in refused.stderr
+    out = run(SCRIPTS["cogvlm"], dict(env, SAT_PATCHES_SHARED_GPU="1"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
+    assert "--num_gpus 2 " in cmd and "--model-parallel-size 2" in cmd
 
 
 def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
