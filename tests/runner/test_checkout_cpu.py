@@ -200,25 +200,17 @@ def assert_checkout_cpu_run_succeeded(out, work, kind, iters=4, mp=2):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_cogagent_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges(tmp_path):
-    """CogAgent's cross encoder is built as released (EVA-CLIP-L, ~300M parameters, trainable in its demo):
-    two steps."""
+def test_cogagent_checkout_demo_trains_on_two_cpu_ranks_at_mp2_and_merges_with_every_collective_relayed(tmp_path):
+    """CogAgent's cross encoder is built as released (EVA-CLIP-L, ~300M parameters, trainable in its demo): two
+    steps, under DeepSpeed ZeRO-2 at MP=2. The run also has SAT_PATCHES_SHARED_GPU=1, the debugging mode for
+    several ranks on one GPU, through the user's commands: on CPU ranks there is no GPU to share, the run says so
+    once, and every collective passes through the host relay's process group. (The checkout run without the mode
+    is the wheel's, tests/runner/test_checkout_wheel.py: one end-to-end run each, not two.)"""
     _, script = checkout_with_script(tmp_path, "cogagent")
-    out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2"}, cwd=tmp_path, timeout=1500)
+    out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2", "SAT_PATCHES_SHARED_GPU": "1"}, cwd=tmp_path,
+              timeout=1500)
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogagent"), "cogagent",
                                       iters=2)
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_the_shared_gpu_mode_runs_the_checkouts_demo_on_two_cpu_ranks_at_mp2(tmp_path):
-    """SAT_PATCHES_SHARED_GPU=1, the debugging mode for several ranks on one GPU, through the user's commands
-    at tiny size: the checkout's demo under DeepSpeed ZeRO-2 at MP=2, two steps, the merge. On CPU ranks there is
-    no GPU to share: the run says so once, and every collective passes through the host relay's process group."""
-    _, script = checkout_with_script(tmp_path, "cogvlm")
-    out = run(script, {"CPU_RANKS": "2", "TRAIN_ITERS": "2", "SAT_PATCHES_SHARED_GPU": "1"}, cwd=tmp_path,
-              timeout=900)
-    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm", iters=2)
     said = re.findall(r"^sat_patches: SAT_PATCHES_SHARED_GPU=1 \(process group backend '(\w+)'\): no GPU to share "
                       r"on CPU ranks", out.stdout, re.M)
     assert said == ["hostrelay"], out.stdout[-3000:]  # the training run's, once
