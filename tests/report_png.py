@@ -1,4 +1,4 @@
-"""Shared check: `sat-patches report RUN_DIR` draws one line per rank (issue 6)."""
+"""Shared check: `sat-patches report RUN_DIR` draws one line per rank (the memory ledger of every rank in one chart)."""
 from PIL import Image
 
 from sat_patches.cli.main import main

@@ -105,6 +105,7 @@ def test_the_standalone_cogvlm_trains_on_conversations_at_mp2(tiny, tmp_path):
     assert results[0].result["losses"] == results[1].result["losses"]  # model-parallel ranks: one loss
 
 
+@pytest.mark.slow  # SAT's training_main up to its data (~7 s)
 @pytest.mark.multirank
 def test_an_empty_data_set_is_refused_before_the_model_is_built(tiny, tmp_path):
     empty = tmp_path / "empty.jsonl"

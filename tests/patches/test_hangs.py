@@ -74,6 +74,7 @@ def pg_timeout_and_watchdog():
     return {"without": without, "with": seen()}
 
 
+@pytest.mark.slow  # SAT's groups set up twice in a rank (~7 s)
 def test_collective_timeout_patch_sets_every_sat_group_and_starts_the_watchdog():
     [r] = run_ranks(pg_timeout_and_watchdog, 1, timeout=180, env={hangs.ENV: str(TIMEOUT)})
     assert r.ok, (r.exception or r.output)[-3000:]

@@ -58,6 +58,7 @@ def collectives_through(backend_name):
     return seen
 
 
+@pytest.mark.slow  # two ranks, every collective twice (~7 s); the fast tier keeps the refusals
 @pytest.mark.multirank
 def test_the_relay_gives_gloos_results_on_two_ranks():
     results = run_ranks(collectives_through, 2, args=("relaytest",), timeout=120)
