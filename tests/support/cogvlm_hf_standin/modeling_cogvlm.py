@@ -3,10 +3,12 @@
 lists of [3, H, W] tensors, ``token_type_ids`` 1 at boi, the patches and eoi). Each language layer holds a
 language and a vision expert (attention qkv/dense and gated MLP); a token takes the vision expert when it
 and the next token are image tokens (boi and the patches; eoi is the language expert's). Rotary positions:
-boi at p, every patch at p + 1, eoi at p + 2. No cache, no generation: enough for a training step."""
+boi at p, every patch at p + 1, eoi at p + 2; each layer's ``self_attn.rotary_emb.inv_freq`` buffer is in the
+state dict (as the export writes it). Loads through ``from_pretrained`` (``post_init``); ``generate`` works
+greedily without a cache (every step runs the whole sequence, the new tokens language tokens)."""
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_cogvlm import CogVLMConfig
@@ -53,10 +55,15 @@ def position_ids(token_type_ids):
     return torch.cumsum(~repeat, dim=1) - 1
 
 
-def rotate(x, positions):
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+
+
+def rotate(x, positions, inv_freq):
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, half, device=x.device).float() / half)
-    angles = positions[:, None, :, None].float() * inv_freq
+    angles = positions[:, None, :, None].float() * inv_freq.float()
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
@@ -69,12 +76,14 @@ class VisionExpertAttention(nn.Module):
         self.vision_expert_dense = nn.Linear(h, h, bias=False)
         self.language_expert_query_key_value = nn.Linear(h, 3 * h, bias=False)
         self.language_expert_dense = nn.Linear(h, h, bias=False)
+        self.rotary_emb = RotaryEmbedding(h // self.heads)
 
     def forward(self, x, vision, positions):
         b, n, h = x.shape
         qkv = torch.where(vision, self.vision_expert_query_key_value(x), self.language_expert_query_key_value(x))
         q, k, v = qkv.view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        out = nn.functional.scaled_dot_product_attention(rotate(q, positions), rotate(k, positions), v,
+        out = nn.functional.scaled_dot_product_attention(rotate(q, positions, self.rotary_emb.inv_freq),
+                                                         rotate(k, positions, self.rotary_emb.inv_freq), v,
                                                          is_causal=True)
         out = out.transpose(1, 2).reshape(b, n, h)
         return torch.where(vision, self.vision_expert_dense(out), self.language_expert_dense(out))
@@ -115,6 +124,7 @@ class CogVLMModel(CogVLMPreTrainedModel):
         self.layers = nn.ModuleList(CogVLMDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.vision = EVA2CLIPModel(config)
+        self.post_init()
 
     def forward(self, input_ids, images, token_type_ids):
         x = self.embed_tokens(input_ids)
@@ -126,11 +136,17 @@ class CogVLMModel(CogVLMPreTrainedModel):
         return self.norm(x)
 
 
-class CogVLMForCausalLM(CogVLMPreTrainedModel):
+class CogVLMForCausalLM(CogVLMPreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         self.model = CogVLMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def prepare_inputs_for_generation(self, input_ids, images=None, token_type_ids=None, **kwargs):
+        grown = input_ids.shape[1] - token_type_ids.shape[1]       # the generated tokens: language tokens
+        token_type_ids = nn.functional.pad(token_type_ids, (0, grown))
+        return {"input_ids": input_ids, "images": images, "token_type_ids": token_type_ids, "use_cache": False}
 
     def forward(self, input_ids=None, images=None, token_type_ids=None, attention_mask=None, use_cache=None,
                 **kwargs):
