@@ -18,9 +18,10 @@ p. The peer beside us (``proof_peer.py``): the released model's own HF code with
    the same CogVLM LoRA step at the same settings; tokens/s, peak memory, useful-FLOP utilisation and the
    ratio. Needs ``--hf-code DIR`` (a local copy of cogvlm-chat-hf's remote code) and, on the GPU machine,
    ``--peer-site DIR`` (transformers 4.41.2 and peft 0.11.1, installed apart); otherwise ``skipped``.
-h. The README's Hugging Face recipes on an export (``proof_recipes.py``): bf16 load, 4-bit load, the PEFT adapter.
-   Not in the default parts: each recipe's row is ``skipped`` with its reason (the remote code, transformers
-   and peft it needs; with those present, that the run is not built yet).
+h. The README's Hugging Face recipes on an export (``proof_recipes.py``): a kit-made CogVLM (2 full-width layers
+   on the GPU, tiny with ``--tiny``) exported with ``export hf --hf-code`` and ``export peft``; bf16 load with SAT's
+   logits and 3 generated tokens, 4-bit load beside it, the PEFT adapter on the exported base with SAT's LoRA
+   logits. Not in the default parts; needs ``--hf-code DIR`` as part p, otherwise each recipe's row is ``skipped``.
 
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
@@ -44,7 +45,7 @@ PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
          "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200),
          "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240),
          "s": ("two ranks sharing the card: the host relay", 60),
-         "h": ("the README's Hugging Face recipes on an export", 120)}  # part: (title, seconds allowed on an H100)
+         "h": ("the README's Hugging Face recipes on an export", 180)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 

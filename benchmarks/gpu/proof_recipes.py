@@ -12,8 +12,10 @@ peft 0.11.1, bitsandbytes 0.50.2; prepare.sh's peer wheels carry transformers an
 * the PEFT adapter (``sat-patches export peft``, ``PeftModel.from_pretrained(base, adapter)``) on the exported
   base; logits beside SAT's with its LoRA.
 
-The model: CogVLM of the kit's shapes (``proof_steps``: tiny with ``--tiny``, full size otherwise), random
-weights (std 0.02; at tiny size norms in [0.5, 1.5]), saved as a SAT checkpoint (the base), then LoRA r=10 on
+The model: CogVLM of the kit's shapes (:func:`model_config`: ``proof_steps``' tiny CogVLM with ``--tiny``; on the
+GPU the full-size widths, vocabulary and image size with 2 language and 2 EVA layers: the 17B model's base
+checkpoint and its export, 35 GB each, would not both fit the machine's 64 GiB disk, and the recipes' logic does
+not depend on the depth), random weights (std 0.02; at tiny size norms in [0.5, 1.5]), saved as a SAT checkpoint (the base), then LoRA r=10 on
 the language model and EVA with random nonzero B factors (no training: a nonzero adapter is what the recipe must
 carry), saved again (the run). ``export hf`` of the base with ``--hf-code`` (the remote code is copied into the
 folder), ``export peft`` of the run. At full size everything is bf16 on the GPU; with ``--tiny`` (CPU) the loads
@@ -40,6 +42,7 @@ EQUAL_FP32 = 1e-4            # fp32: as the export's round-trip tests (absolute)
 EQUAL_BF16 = 5e-2            # bf16: relative to the largest logit
 COSINE_4BIT = 0.9
 NEW_TOKENS = 3
+LAYERS = 2                   # language and EVA layers of the model on the GPU
 
 
 def why_skipped(hf_code) -> str:
@@ -47,6 +50,15 @@ def why_skipped(hf_code) -> str:
     transformers and peft)."""
     from proof_peer import missing
     return missing(hf_code)
+
+
+def model_config(tiny: bool) -> dict:
+    """The SAT config of the model the recipes run on (the module's docstring says why it is shallow on the GPU)."""
+    import proof_steps as steps
+    if tiny:
+        return steps.tiny_config("cogvlm")
+    config = steps.full_config("cogvlm")
+    return dict(config, num_layers=LAYERS, eva_args=dict(config["eva_args"], num_layers=LAYERS))
 
 
 def spread(model) -> None:
@@ -67,7 +79,7 @@ def make_exports(work: str, tiny: bool, hf_code: str, dev) -> dict:
     from sat_patches.cogvlm.saving import save_pretrained_dir
     from sat_patches.export.api import export_hf, export_peft
     from sat_patches.planning.estimator import default_seq_len, plan_config
-    config = steps.tiny_config("cogvlm") if tiny else steps.full_config("cogvlm")
+    config = model_config(tiny)
     dtype = torch.float32 if tiny else torch.bfloat16
     torch.manual_seed(0)
     model, args = steps.build_model(config, dev)

@@ -68,3 +68,10 @@ def test_part_h_runs_the_recipes_at_tiny_size_on_cpu(tmp_path):
     assert four["status"] == "ok" or four["status"].startswith("skipped: 4-bit load on CPU refused: "), four
     if four["status"] == "ok":
         assert "Linear4bit" in four["detail"] and float(four["measured"].split()[1]) >= proof_recipes.COSINE_4BIT
+
+
+def test_on_the_gpu_the_model_has_full_widths_and_two_layers():
+    full, tiny = proof_recipes.model_config(False), proof_recipes.model_config(True)
+    assert (full["num_layers"], full["eva_args"]["num_layers"]) == (proof_recipes.LAYERS,) * 2 == (2, 2)
+    assert (full["hidden_size"], full["vocab_size"], full["eva_args"]["hidden_size"]) == (4096, 32000, 1792)
+    assert tiny["hidden_size"] < full["hidden_size"]
