@@ -5,10 +5,13 @@ Every rank checks SAT's node groups (its node's two ranks, source rank 0 or 2) a
 own partition exactly, per node, without any tensor sent between ranks (``load_mp2`` of
 ``test_loading_mp``). The file is also the worker torchrun starts.
 """
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,15 +43,22 @@ def test_two_nodes_load_mp2_per_node(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
            "--max-restarts", "0", os.path.abspath(__file__), str(tmp_path / "ckpt"), str(tmp_path)]
-    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
-    try:
-        outputs = [a.communicate(timeout=240)[0] for a in agents]
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    agents = [subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+              for log in logs]
+    deadline = time.monotonic() + 240
+    try:  # an agent that fails ends the test at once (its peer would wait in the rendezvous or a collective)
+        while (any(a.poll() is None for a in agents) and all(a.poll() in (None, 0) for a in agents)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
     finally:
-        for a in agents:
-            a.kill()
-    for a, out in zip(agents, outputs):
-        assert a.returncode == 0, out[-4000:]
+        for a in agents:  # each agent with its workers
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    outputs = "\n".join(f"agent {i} (exit {a.returncode}):\n" + log.read_text()[-3000:]
+                        for i, (a, log) in enumerate(zip(agents, logs)))
+    assert all(a.returncode == 0 for a in agents), outputs
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for rank, got in enumerate(ranks):
         node = got["group_rank"]
