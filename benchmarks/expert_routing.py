@@ -20,6 +20,7 @@ largest difference of the logits and gradients between the two (they must agree)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -84,14 +85,10 @@ def main(argv=None) -> int:
                 "sat_patches": lambda: ()}
 
     def run(name):
-        managers = variants[name]()
-        for m in managers:
-            m.__enter__()
-        try:
+        with contextlib.ExitStack() as stack:
+            for manager in variants[name]():
+                stack.enter_context(manager)
             return train_step(model, {k: None if v is None else v.clone() for k, v in batch.items()})
-        finally:
-            for m in reversed(managers):
-                m.__exit__(None, None, None)
 
     results = {name: run(name) for name in variants}  # (also the warm-up)
     reads = {name: host_reads(lambda n=name: run(n)) for name in variants}

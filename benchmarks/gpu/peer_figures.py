@@ -6,18 +6,21 @@ with respect to the activations (the input-gradient backward; the frozen weights
 factors' are negligible). Each costs one multiply-add per weight per token that passes through it, plus
 attention's two score products, so useful FLOPs = 2 x the forward's, and the forward's = 2 x its
 multiply-adds. Counted for CogVLM from its ``model_config.json`` (SAT's names; the HF stack has the same
-shapes): every token through one expert of each language layer (qkv, dense, gated MLP) and the LM head, the
-image through EVA2-CLIP (patch embedding, every layer over the patches and the class token), the GLU
-projector over the patches, attention as the fused kernels run it (the language model causal: half the score
-matrix; EVA bidirectional: all of it); the LoRA factors are left out. Full-size CogVLM at 1288 tokens:
+shapes) by the plan's time model: every token through one expert of each language layer (qkv, dense, gated MLP)
+and the LM head, the image through every EVA2-CLIP layer (the patches and the class token), the GLU projector
+over the patches, attention as the fused kernels run it (the language model causal: half the score matrix; EVA
+bidirectional: all of it); the LoRA factors and EVA's patch embedding (1e-4 of the work) are left out. Full-size CogVLM at 1288 tokens:
 2.90e13 FLOP forward, 5.79e13 useful per sample (micro-batch 8 in a 1.913 s step: 242 TFLOP/s useful).
 
-Needs neither torch nor SAT.
+Needs neither torch nor SAT (the plan's modules import neither).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
+
+from sat_patches.planning.estimator import plan_config
+from sat_patches.planning.timing import forward_passes
 
 PEER = "HF + PEFT"              # the released model's own HF code with PEFT's LoRA
 OURS = "SAT + sat_patches"
@@ -26,22 +29,13 @@ TABLE_COLUMNS = ("stack", "setting", "step", "tokens/s", "peak", "useful TFLOP/s
 
 
 def forward_macs(config: dict, tokens: int) -> Dict[str, float]:
-    """Multiply-adds of one sample's forward through CogVLM ``config`` at ``tokens`` tokens, by part."""
-    h, inner, layers = config["hidden_size"], config["inner_hidden_size"], config["num_layers"]
-    eva = config["eva_args"]
-    e, e_inner, e_layers = eva["hidden_size"], eva["inner_hidden_size"], eva["num_layers"]
-    patch = eva.get("patch_size", 14)
-    patches = config["image_length"]
-    image_tokens = patches + eva.get("pre_len", 1)          # the patches and EVA's class token
-    return {
-        "language layers": layers * tokens * (4 * h * h + 3 * h * inner),
-        "language attention": layers * tokens * tokens * h,  # causal: half of QK^T and of AV (2 s^2 h)
-        "LM head": tokens * h * config["vocab_size"],
-        "EVA layers": e_layers * image_tokens * (4 * e * e + 2 * e * e_inner),
-        "EVA attention": e_layers * 2 * image_tokens * image_tokens * e,
-        "patch embedding": patches * eva.get("in_channels", 3) * patch * patch * e,
-        "GLU projector": patches * (e * h + 3 * h * inner),
-    }
+    """Multiply-adds of one sample's forward through CogVLM ``config`` at ``tokens`` tokens, by part: the count of
+    the plan's time model (:func:`sat_patches.planning.timing.forward_passes`, attention inside its layers), so the
+    kit's utilisation and the plan's predictions share one definition of the work."""
+    p = forward_passes(plan_config(config), tokens)
+    flops = {"language layers": p.language_layers * p.language_layer, "LM head": p.head, "GLU projector": p.adapter,
+             "EVA layers": p.eva_layers * p.eva_layer}
+    return {part: value / 2 for part, value in flops.items()}
 
 
 def forward_flops(config: dict, tokens: int) -> float:

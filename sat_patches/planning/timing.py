@@ -101,7 +101,8 @@ class Passes:
     """Forward FLOP of one sample through each part, and the part's layer count."""
     language_layer: float
     language_layers: int
-    head: float                 # LM head and GLU adapter: run once, never recomputed
+    head: float                 # the LM head: run once, never recomputed
+    adapter: float = 0.0        # the GLU adapter over the image tokens: likewise
     eva_layer: float = 0.0
     eva_layers: int = 0
     encoder: float = 0.0        # CogAgent's EVA2-CLIP-L, whole
@@ -128,7 +129,7 @@ def forward_passes(c: dict, seq_len: int) -> Passes:
         et, eh = e["max_sequence_length"], e["hidden_size"]
         out.update(eva_layer=_linear(et, eh, 4 * eh) + 2 * _linear(et, eh, e["inner_hidden_size"])
                    + _attention(et, et, eh), eva_layers=e["num_layers"])
-        head += _linear(c.get("image_length", et), eh, h) + 3 * _linear(c.get("image_length", et), h, f)  # GLU
+        out.update(adapter=_linear(c.get("image_length", et), eh, h) + 3 * _linear(c.get("image_length", et), h, f))
     if c.get("cross_image_pix"):
         n, enc = cross_tokens(c), c["encoder_args"]
         inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
@@ -157,8 +158,8 @@ def step_time(c: dict, s, tflops: float) -> StepTime:
     p = forward_passes(c, s.seq_len)
     eva_back = eva_trains(c, s)
     encoder_back = s.train == "demo"
-    forward = p.language_layers * p.language_layer + p.head + p.eva_layers * p.eva_layer + p.encoder
-    backward = (p.language_layers * p.language_layer + p.head
+    forward = p.language_layers * p.language_layer + p.head + p.adapter + p.eva_layers * p.eva_layer + p.encoder
+    backward = (p.language_layers * p.language_layer + p.head + p.adapter
                 + (p.eva_layers * p.eva_layer if eva_back else 0) + (p.encoder if encoder_back else 0))
     lang_ckpt, eva_ckpt = checkpointed_layers(c, s)
     recomputed = lang_ckpt * p.language_layer + (eva_ckpt * p.eva_layer if eva_back else 0)
