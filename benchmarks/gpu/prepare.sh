@@ -11,8 +11,9 @@
 # (DS_BUILD_OPS=0: no compiled ops; the proof uses none). wandb and datasets, which `import sat` imports,
 # are not carried (wandb alone is 20 MB): proof.py stands in a module for each, which the proof never calls.
 #
-# Part p (the peer beside us) runs the released model's own HF code, which predates the image's transformers
-# 5.x: PEER_WHEELS go to .gpu-wheels/peer/ and are installed into a folder of their own (--target /tmp/peer),
+# Parts p (the peer beside us) and h (the README's Hugging Face recipes) run the released model's own HF code,
+# which predates the image's transformers 5.x, with the recipes' version set (the image's accelerate 1.x breaks
+# the 4-bit recipe): PEER_WHEELS go to .gpu-wheels/peer/ and are installed into a folder of their own (--target /tmp/peer),
 # which proof.py puts first on sys.path in that part only (--peer-site), so the image's transformers stays
 # as it is for everything else. That code is not ours to ship: set HF_CODE to a local copy of
 # cogvlm-chat-hf's modeling_cogvlm.py, visual.py and configuration_cogvlm.py (a public copy, fetched
@@ -43,9 +44,11 @@ WHEELS=(
   braceexpand==0.1.7
 )
 DEEPSPEED=deepspeed==0.19.8
-# part p only, installed apart (the image holds other versions of these; the kit's test reads this list)
+# parts p and h, installed apart (the image holds other versions of these; the kit's test reads this list):
+# sat_patches.hf_recipes.PINS (bitsandbytes is in WHEELS) and the huggingface_hub transformers 4.41.2 needs
 PEER_WHEELS=(
   transformers==4.41.2
+  accelerate==0.30.1
   peft==0.11.1
   huggingface_hub==0.23.5
 )
@@ -64,7 +67,7 @@ echo "downloading ${#WHEELS[@]} wheels for CPython 3.12, manylinux x86_64, into 
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platform_args[@]}" -d "$DEST" "${WHEELS[@]}"
 
-echo "downloading ${#PEER_WHEELS[@]} wheels for part p into $DEST/peer"
+echo "downloading ${#PEER_WHEELS[@]} wheels for parts p and h into $DEST/peer"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platform_args[@]}" -d "$DEST/peer" "${PEER_WHEELS[@]}"
 if [ -n "${HF_CODE:-}" ]; then

@@ -2,7 +2,7 @@
 
 The recipes (README, "Use your fine-tuned model elsewhere"), each on the ``sat-patches export hf`` folder of a
 kit-made model, with the version set of ``sat_patches.hf_recipes`` (transformers 4.41.2, accelerate 0.30.1,
-peft 0.11.1, bitsandbytes 0.50.2; prepare.sh's peer wheels carry transformers and peft):
+peft 0.11.1, bitsandbytes 0.50.2; prepare.sh's peer wheels carry the first three):
 
 * bf16 load (``AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, torch_dtype=...)``), a
   forward whose logits equal SAT's on the same input, and a few generated tokens (``generate``, greedy, 3 new

@@ -68,13 +68,17 @@ def test_table_sets_the_stacks_side_by_side_with_the_ratio_on_ours():
 
 
 def test_prepare_carries_the_peer_wheels_apart():
-    """transformers 4.41.2 and peft 0.11.1 (the remote code predates the image's transformers 5.x), with the
-    huggingface-hub they need: in a list of their own, installed apart, passed to part p."""
+    """The Hugging Face recipes' version set (the remote code predates the image's transformers 5.x, and the
+    image's accelerate 1.x breaks the 4-bit recipe), with the huggingface-hub transformers needs: in a list of
+    their own, installed apart, passed to parts p and h; bitsandbytes with the proof's own wheels."""
     import re
+    from sat_patches import hf_recipes
     with open(os.path.join(KIT, "prepare.sh"), encoding="utf-8") as f:
         text = f.read()
     pins = re.search(r"^PEER_WHEELS=\(\n(.*?)^\)", text, re.M | re.S).group(1).split()
-    assert pins == ["transformers==4.41.2", "peft==0.11.1", "huggingface_hub==0.23.5"]
+    wheels = re.search(r"^WHEELS=\(\n(.*?)^\)", text, re.M | re.S).group(1).split()
+    assert set(pins) == {p for p in hf_recipes.PINS if not p.startswith("bitsandbytes")} | {"huggingface_hub==0.23.5"}
+    assert f"bitsandbytes=={hf_recipes.pinned('bitsandbytes')}" in wheels
     assert "--target /tmp/peer .gpu-wheels/peer/*.whl" in text
     assert "--hf-code .gpu-wheels/hf-code --peer-site /tmp/peer" in text
 
