@@ -41,4 +41,5 @@ class Diagnostic:
 LEDGER = Diagnostic("memory ledger")
 LOSS_CURVE = Diagnostic("loss curve (loss_curve.csv/.png)")
 PROGRESS = Diagnostic("progress line")
+MODEL_PARALLEL_LOSSES = Diagnostic("comparison of the model-parallel ranks' losses")
 HEARTBEAT = Diagnostic("rank heartbeat")

@@ -1,5 +1,5 @@
-"""The progress line (``iteration 4/20 | loss 6.52 | ... | ETA 0:00:21``) and the run's loss curve
-(``loss_curve.csv``, drawn as ``loss_curve.png``).
+"""The progress line (``iteration 4/20 | loss 6.52 | ... | ETA 0:00:21``), the run's loss curve
+(``loss_curve.csv``, drawn as ``loss_curve.png``), and the model-parallel ranks' losses compared.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..core import fenced
 from ..core.registry import SatPatchesWarning
+from ..runtime import collectives
 from . import console
 from .charts import draw_loss_curve
 from .ledger import run_directory
@@ -33,16 +34,22 @@ def progress_line(step, total_step, loss, lr, elapsed_ms, avg_metrics=None, loss
     return line + (f" | loss scale {loss_scale:.1f}" if loss_scale is not None else "")
 
 
-def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float) -> None:
-    """Append the step to the run's loss curve and redraw its PNG (when matplotlib is there)."""
+CURVE_COLUMNS = ("iteration", "loss", "lr", "seconds_per_iteration", "model_parallel_loss_spread")
+# the model-parallel ranks of a group compute one loss from the same batch and gathered logits: equal to the bit
+SPREAD_TOLERANCE = 1e-6
+
+
+def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float, spread: float = 0.0) -> None:
+    """Append the step to the run's loss curve and redraw its PNG (when matplotlib is there). ``spread``: the
+    largest difference between the losses of the model-parallel ranks (:func:`model_parallel_spread`)."""
     path = os.path.join(run_dir, CURVE_CSV)
     os.makedirs(run_dir, exist_ok=True)
     fresh = not os.path.exists(path)
     with open(path, "a", newline="") as f:
         writer = csv.writer(f)
         if fresh:
-            writer.writerow(["iteration", "loss", "lr", "seconds_per_iteration"])
-        writer.writerow([step, loss, lr, elapsed_ms / 1000])
+            writer.writerow(CURVE_COLUMNS)
+        writer.writerow([step, loss, lr, elapsed_ms / 1000, spread])
     try:
         draw_loss_curve(run_dir)
     except RuntimeError:  # no matplotlib: the CSV is the curve
@@ -63,10 +70,28 @@ def print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, av
     print(progress_line(step, total_step, loss, lr, elapsed_time, avg_metrics, scale), flush=True)
 
 
-def record_curve(run_dir: str, step, loss, lr, elapsed_time) -> None:
+def model_parallel_spread(loss: float, step: int) -> float:
+    """The largest difference between the losses the ranks of this rank's model-parallel group report for this
+    log interval (0 without model parallelism). They must be equal: each rank computes the loss of the same batch
+    from the same gathered logits. A difference means the ranks of one group trained on different batches or
+    weights (the batch not broadcast within the group, a rank-local data loader, a checkpoint shard loaded on the
+    wrong rank): the group's first rank warns, with every rank's loss."""
+    losses = collectives.model_parallel_values(loss)
+    spread = max(losses) - min(losses)
+    if spread > SPREAD_TOLERANCE * max(1.0, abs(loss)) and collectives.get_model_parallel_rank() == 0:
+        each = ", ".join(f"{v:.6g}" for v in losses)
+        warnings.warn(f"sat_patches: at iteration {step} the model-parallel ranks of one group report different "
+                      f"losses ({each}, in model-parallel rank order): they must see the same batch and hold the "
+                      f"parts of one model. Check that the batch is broadcast within the group (SAT's "
+                      f"broadcast_data in the forward step) and that each rank loaded its own shard.",
+                      SatPatchesWarning)
+    return spread
+
+
+def record_curve(run_dir: str, step, loss, lr, elapsed_time, spread: float = 0.0) -> None:
     """:func:`record_step`, a full or read-only disk only warned about (the next step tries again)."""
     try:
-        record_step(run_dir, step, loss, lr, elapsed_time)
+        record_step(run_dir, step, loss, lr, elapsed_time, spread)
     except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
         warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
 
@@ -85,12 +110,14 @@ def report_iteration_progress(original, summary_writer, optimizer, lr, loss, ela
     finally:
         sat_logger.removeFilter(quiet)
     console.note_iteration(args, step)
+    # every rank reaches this call at the same iteration: the gather within each model-parallel group is safe here
+    spread = fenced.MODEL_PARALLEL_LOSSES.run(model_parallel_spread, loss, step, default=0.0)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     fenced.PROGRESS.run(print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
     run_dir = run_directory(args)
     if run_dir:
-        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time)
+        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time, spread)
 
 
 def report_evaluate_metrics_float32(original, summary_writer, prefix, loss, ppl, step, args, avg_metrics):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import torch
-from sat.mpu.initialize import get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank
+from sat.mpu.initialize import (get_model_parallel_group, get_model_parallel_rank, get_model_parallel_src_rank,
+                                get_model_parallel_world_size, model_parallel_is_initialized)
 
 from .devices import communication_device
 
@@ -36,3 +37,16 @@ def broadcast_data(keys, data, datatype):
         out[key] = flat.narrow(0, offset, numel).view(shape)
         offset += numel
     return out
+
+
+def model_parallel_values(value: float):
+    """``value`` of every rank of this rank's model-parallel group, in the group's rank order (one small gather on
+    :func:`~sat_patches.runtime.devices.communication_device`); ``[value]`` without model parallelism (or before SAT set it up). Every rank
+    of the group must call it."""
+    size = get_model_parallel_world_size() if model_parallel_is_initialized() else 1
+    if size == 1:
+        return [float(value)]
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=communication_device())
+    every = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(every, mine, group=get_model_parallel_group())
+    return [float(t) for t in every]
