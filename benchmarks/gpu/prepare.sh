@@ -19,6 +19,12 @@
 # cogvlm-chat-hf's modeling_cogvlm.py, visual.py and configuration_cogvlm.py (a public copy, fetched
 # beforehand) and they are copied into .gpu-wheels/hf-code/ (git-ignored); without it part p says skipped.
 #
+# Parts u and w (the user's path: a CogVLM checkout's own demo through finetune_cogvlm.sh at MP=2, two ranks sharing
+# the card) read a CogVLM checkout: set COGVLM_CHECKOUT to a local clone of the public THUDM/CogVLM repository (or a
+# fork) and its utils/ and finetune_demo/ are copied into .gpu-wheels/cogvlm/ (git-ignored, never committed);
+# without it those parts say skipped. Its EVA imports xformers, which the machine lacks: sat_patches serves its
+# stand-in at start-up.
+#
 # sat_patches itself travels as the working tree (the command runs in the repository root): PYTHONPATH
 # holds the root, and proof.py imports sat_patches before SAT, which installs the start-up hook's finder;
 # sat_patches.pth (only needed for `import sat` before `import sat_patches` on a machine without triton)
@@ -78,6 +84,17 @@ else
   echo "part p will say skipped: set HF_CODE to a local copy of cogvlm-chat-hf's ${HF_CODE_FILES[*]}"
 fi
 
+rm -rf "$DEST/cogvlm"
+if [ -n "${COGVLM_CHECKOUT:-}" ]; then
+  for d in utils finetune_demo; do
+    [ -d "$COGVLM_CHECKOUT/$d" ] || { echo "COGVLM_CHECKOUT=$COGVLM_CHECKOUT lacks $d/" >&2; exit 1; }
+    mkdir -p "$DEST/cogvlm" && cp -r "$COGVLM_CHECKOUT/$d" "$DEST/cogvlm/"
+  done
+  echo "parts u and w: the checkout's utils/ and finetune_demo/ from $COGVLM_CHECKOUT copied into $DEST/cogvlm"
+else
+  echo "parts u and w will say skipped: set COGVLM_CHECKOUT to a local clone of THUDM/CogVLM"
+fi
+
 echo "building $DEEPSPEED as a pure-Python wheel (DS_BUILD_OPS=0)"
 build="$(mktemp -d)"
 trap 'rm -rf "$build"' EXIT
@@ -102,7 +119,7 @@ The device call (tool `device`, verb `run`; leave `kind` out: one H100 is enough
   command:
 CALL
 cat <<'COMMAND'
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .gpu-wheels/peer/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD --hf-code .gpu-wheels/hf-code --peer-site /tmp/peer 2>&1 | tee $OUT/proof.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-wheels/*.whl || exit 3; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .gpu-wheels/peer/*.whl || exit 3; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h $PWD /tmp | tail -2; set -o pipefail; timeout 560 python3 benchmarks/gpu/proof.py --out $OUT --scratch $PWD --hf-code .gpu-wheels/hf-code --peer-site /tmp/peer --checkout .gpu-wheels/cogvlm 2>&1 | tee $OUT/proof.log
 COMMAND
 echo
 echo "Afterwards: copy the table (proof.log's end) and proof.json's machine into BENCHMARKS.md's 'GPU proof kit'."

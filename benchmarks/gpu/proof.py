@@ -23,6 +23,13 @@ h. The README's Hugging Face recipes on an export (``proof_recipes.py``): a kit-
    logits and 3 generated tokens, 4-bit load beside it, the PEFT adapter on the exported base with SAT's LoRA
    logits. Not in the default parts; needs ``--hf-code DIR`` as part p, otherwise each recipe's row is ``skipped``.
 
+u. The user's own path on the card (``proof_fork.py``): a CogVLM checkout's demo through ``finetune_cogvlm.sh`` at
+   MP=2, two ranks sharing the card (``SAT_PATCHES_SHARED_GPU=1``), full width with 2 language and 2 EVA layers: steps
+   and saves, a resume, ``sat-patches merge`` and ``export hf``, the export in transformers' ``LlamaForCausalLM``,
+   per-rank peaks beside the plan. Needs ``--checkout DIR`` (a CogVLM checkout), otherwise ``skipped``.
+w. The full-size CogVLM-17B through the same path at MP=2 on one card, when the card holds both ranks (a 141 GB
+   card; skipped with the reason on an 80 GB one). Needs ``--checkout DIR``.
+
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
 ``--out`` (default ``$OUT``, else ``./gpu_proof``). A status is ``ok``, ``FAIL`` or ``skipped: <why>``
@@ -45,7 +52,9 @@ PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
          "b": ("QLoRA from a bf16 checkpoint, 1 x 24 GB", 200),
          "p": ("the peer beside us: HF + PEFT and SAT + sat_patches", 240),
          "s": ("two ranks sharing the card: the host relay", 60),
-         "h": ("the README's Hugging Face recipes on an export", 180)}  # part: (title, seconds allowed on an H100)
+         "h": ("the README's Hugging Face recipes on an export", 180),
+         "u": ("the user's path: a checkout's demo at MP=2, two ranks sharing the card", 300),
+         "w": ("full-size CogVLM-17B at MP=2, two ranks sharing the card", 540)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 
@@ -58,6 +67,7 @@ def options(argv=None) -> argparse.Namespace:
                                           "configuration_cogvlm.py")
     parser.add_argument("--peer-site", help="parts p and h: folder with transformers 4.41.2 and peft 0.11.1 installed "
                                             "(put first on sys.path in that part only)")
+    parser.add_argument("--checkout", help="parts u and w: a CogVLM checkout (holds utils/ and finetune_demo/)")
     parser.add_argument("--scratch", default=None, help="local disk for part b's checkpoint (default: a temp dir)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
     parser.add_argument("--part", help=argparse.SUPPRESS)        # run one part in this process (the workers)
@@ -73,7 +83,8 @@ def options(argv=None) -> argparse.Namespace:
 # One part, in its own process
 # --------------------------------------------------------------------------------------
 
-def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, peer_site=None) -> None:
+def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, peer_site=None,
+             checkout=None) -> None:
     sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration")]
     from proof_record import Recorder, stand_in_unused
     if part in ("p", "h"):
@@ -103,6 +114,9 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
     elif part == "h":
         import proof_recipes
         rec.guarded(proof_recipes.run, tiny, hf_code)
+    elif part in "uw":
+        import proof_fork
+        rec.guarded(proof_fork.run if part == "u" else proof_fork.whole, tiny, checkout, scratch)
     rec.save()
 
 
@@ -133,7 +147,7 @@ def spawn(part: str, opts, json_path: str, scratch: str) -> dict:
     cmd = [sys.executable, *isolated, os.path.abspath(__file__), "--part", part, "--part-json", json_path, "--scratch", scratch]
     if opts.tiny:
         cmd.append("--tiny")
-    for flag, value in (("--hf-code", opts.hf_code), ("--peer-site", opts.peer_site)):
+    for flag, value in (("--hf-code", opts.hf_code), ("--peer-site", opts.peer_site), ("--checkout", opts.checkout)):
         if value:
             cmd += [flag, os.path.abspath(value)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
     opts = options(argv)
     if opts.part:
         run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir(), opts.hf_code,
-                 opts.peer_site)
+                 opts.peer_site, opts.checkout)
         return 0
     print(cost_preview(opts.parts, opts.time_scale), flush=True)
     os.makedirs(opts.out, exist_ok=True)

@@ -110,16 +110,20 @@ def initialise_uninitialised(model, std: float = 0.02) -> List[str]:
     return done
 
 
-def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234) -> dict:
-    """Build the tiny ``kind`` with the checkout's own class and save it under ``out_dir``."""
-    config = tiny_config(kind, upstream_classes=True)
+def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234, config: dict = None,
+                          dtype: torch.dtype = torch.float32) -> dict:
+    """Build ``kind`` with the checkout's own class and save it under ``out_dir``, its tensors in ``dtype``.
+    ``config``: the model's config in upstream's keys (default: the tiny one; the GPU proof passes full widths)."""
+    config = config or tiny_config(kind, upstream_classes=True)
     cls = checkout_class(checkout, kinds.kind(kind).model_class)
     _single_process()
     torch.manual_seed(seed)
     model = cls(_build_args(cls, config, seed))
     initialise_uninitialised(model)
     os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in model.state_dict().items()}
+    del model
     torch.save({"module": state, "iteration": 1}, os.path.join(out_dir, "1", "mp_rank_00_model_states.pt"))
     with open(os.path.join(out_dir, "latest"), "w") as f:
         f.write("1")
@@ -130,7 +134,9 @@ def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 12
     return {"parameters": sum(v.numel() for v in state.values()), "class": f"{cls.__module__}.{cls.__name__}"}
 
 
-def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: int = 4, seed: int = 0) -> Dict[str, str]:
+def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: int = 4, seed: int = 0,
+            config: dict = None, dtype: torch.dtype = torch.float32) -> Dict[str, str]:
+    """The model (``config``: the tiny one by default), tokenizer and CAPTCHA data of a run, under ``workdir``."""
     paths = {"model": os.path.join(workdir, "model"), "tokenizer": os.path.join(workdir, "tokenizer"),
              "train": os.path.join(workdir, "data", "train"), "valid": os.path.join(workdir, "data", "valid")}
     # an earlier run's merge (perhaps at another MP_SIZE) would be checked instead of this run's
@@ -142,10 +148,10 @@ def prepare(checkout: str, kind: str, workdir: str, n_train: int = 32, n_valid: 
     train = make_captcha_dataset(paths["train"], n_train, seed=seed)
     labels = [os.path.splitext(os.path.basename(p))[0] for p in train]
     make_captcha_dataset(paths["valid"], n_valid, seed=seed + 1, exclude=labels)
-    config = tiny_config(kind, upstream_classes=True)
+    config = config or tiny_config(kind, upstream_classes=True)
     check_vocab(llama2_tokenizer(paths["tokenizer"]), config["vocab_size"], config["pad_token_id"])
-    info = build_tiny_checkpoint(checkout, kind, paths["model"])
-    print(f"prepared for the CPU run of {kind}: tiny {info['class']} ({info['parameters'] / 1e6:.1f}M parameters) "
+    info = build_tiny_checkpoint(checkout, kind, paths["model"], config=config, dtype=dtype)
+    print(f"prepared for the run of {kind}: {info['class']} ({info['parameters'] / 1e6:.1f}M parameters) "
           f"in {paths['model']}, tokenizer {paths['tokenizer']}, data {paths['train']} / {paths['valid']}", flush=True)
     return paths
 
