@@ -18,13 +18,20 @@ from fake_checkout import write_fake_checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIT = os.path.join(ROOT, "benchmarks", "gpu")
-sys.path[:0] = [KIT]
-
-import proof_fork  # noqa: E402
-import proof_record  # noqa: E402
 
 
-def test_without_a_checkout_the_parts_say_what_they_need(tmp_path):
+@pytest.fixture
+def kit(monkeypatch):
+    """The kit's modules importable for one test (``sys.path`` put back afterwards: a path that stays grown changes
+    the ranks' ``PYTHONPATH``, and the fork server restarts for it)."""
+    monkeypatch.syspath_prepend(KIT)
+    import proof_fork
+    import proof_record
+    return proof_fork, proof_record
+
+
+def test_without_a_checkout_the_parts_say_what_they_need(tmp_path, kit):
+    proof_fork, proof_record = kit
     assert proof_fork.missing(None) == proof_fork.NEEDED
     (tmp_path / "utils" / "models").mkdir(parents=True)
     (tmp_path / "utils" / "models" / "__init__.py").write_text("")
@@ -36,7 +43,8 @@ def test_without_a_checkout_the_parts_say_what_they_need(tmp_path):
         assert row.status == f"skipped: {proof_fork.NEEDED}", row
 
 
-def test_the_full_size_part_needs_cuda_and_a_card_holding_both_ranks(tmp_path):
+def test_the_full_size_part_needs_cuda_and_a_card_holding_both_ranks(tmp_path, kit):
+    proof_fork, proof_record = kit
     checkout = write_fake_checkout(str(tmp_path / "CogVLM"))
     rec = proof_record.Recorder("w")
     proof_fork.whole(rec, False, checkout, str(tmp_path))
@@ -51,7 +59,7 @@ def test_the_full_size_part_needs_cuda_and_a_card_holding_both_ranks(tmp_path):
     assert proof_fork.model_config()["hidden_size"] == config["hidden_size"] == 4096
 
 
-def test_the_kit_knows_the_parts_and_passes_the_checkout_on():
+def test_the_kit_knows_the_parts_and_passes_the_checkout_on(kit):
     import proof
     assert {"u", "w"} <= set(proof.PARTS)
     opts = proof.options(["--parts", "uw", "--checkout", "x"])
