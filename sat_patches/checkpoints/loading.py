@@ -95,7 +95,9 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     if mode == "finetune":
         iteration = 0
     elif mode == "pretrain" and not getattr(args, "no_load_rng", False):
-        restore_rng(source.own)
+        # a resumed run loads its base first (``from_pretrained``, a model-only checkpoint without random states)
+        # and then the run it continues (``--load``), whose states count: only that one's absence is said
+        restore_rng(source.own, warn=continues_the_run(args, ckpt.path))
     elif mode == "inference":
         module.eval()
     del source
@@ -103,6 +105,13 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
         barrier(f"loaded '{ckpt.path}'")
     print_rank0(f"> loaded {ckpt.path} iteration {ckpt.iteration} (MP={ckpt.mp_size}) with sat_patches")
     return iteration
+
+
+def continues_the_run(args, folder: str) -> bool:
+    """The checkpoint in ``folder`` is the run being continued (``--load``, or no ``--load`` at all), not a base
+    model loaded before it."""
+    run = getattr(args, "load", None)
+    return not run or os.path.realpath(folder) == os.path.realpath(run)
 
 
 def _handle_missing(module, args, mode, missing):

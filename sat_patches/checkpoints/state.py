@@ -253,9 +253,10 @@ def model_parallel_rng_tracker():
     return get() if get is not None else None
 
 
-def restore_rng(saved: dict) -> None:
+def restore_rng(saved: dict, warn: bool = True) -> None:
     """Set Python's, numpy's, torch's (and CUDA's and the model-parallel RNG tracker's) random states
-    from a SAT checkpoint's saved dict; a state the checkpoint lacks is left as it is, with a warning."""
+    from a SAT checkpoint's saved dict; a state the checkpoint lacks is left as it is, with a warning
+    (``warn=False``: silently, where another checkpoint's states follow)."""
     states = [("random_rng_state", random.setstate), ("np_rng_state", np.random.set_state),
               ("torch_rng_state", torch.set_rng_state)]
     if torch.cuda.is_available():
@@ -267,6 +268,6 @@ def restore_rng(saved: dict) -> None:
     for name, setter in states:
         if name in saved:
             setter(saved[name])
-    if absent:
+    if absent and warn:
         warnings.warn(f"checkpoint has no {', '.join(absent)} (saved with --no-save-rng?): those random "
                       f"states start fresh; pass --no-load-rng to silence this", SatPatchesWarning)

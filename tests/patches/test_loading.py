@@ -381,3 +381,21 @@ def test_own_shard_whole_is_lent_and_a_slice_is_copied(tmp_path):
     assert lent.data_ptr() == own.state[1]["w"].data_ptr()
     merged = ShardedSource(ckpt, "", 0, 1).materialised("w", torch.empty(48, 8), split, cpu)
     assert torch.equal(merged, full) and not any(in_file(merged, f) for f in ckpt.files)
+
+
+@pytest.mark.parametrize("load", ["the run", "the base itself", "none"])
+def test_a_base_loaded_before_the_run_it_continues_says_nothing_of_random_states(tiny_checkpoint, tmp_path, load):
+    """A resumed run (``--mode pretrain --load RUN``) first loads its base with ``from_pretrained``: a model-only
+    checkpoint, no random states, which the run's own checkpoint restores right after. Only a missing state in the
+    checkpoint being continued is said (its advice, ``--no-load-rng``, would also skip the run's states)."""
+    import warnings
+    from sat_patches.testing import expert_llama as el
+    path, cfg, _ = tiny_checkpoint
+    args = el.build_args(cfg)
+    args.mode, args.no_load_rng = "pretrain", False
+    args.load = {"the run": str(tmp_path / "run"), "the base itself": path, "none": None}[load]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        el.model_class().from_pretrained(path, args)
+    said = [str(w.message) for w in seen if "checkpoint has no" in str(w.message)]
+    assert bool(said) == (load != "the run"), said
