@@ -35,6 +35,16 @@ def pytest_configure(config):
     sat_patches.apply()
 
 
+def pytest_collection_finish(session):
+    """``sys.path`` stays as collection left it while the tests run. A package's set-up (tests/export/) imports
+    its ``__init__`` again, and pytest puts the package's root (tests/) first on ``sys.path`` whenever it is
+    not first already; ranks get ``sys.path`` as their ``PYTHONPATH``, and a changed ``PYTHONPATH`` restarts
+    the fork server (its imports, about 10 s). With tests/ first from here on, that set-up finds it there."""
+    if HERE in sys.path:
+        sys.path.remove(HERE)
+    sys.path.insert(0, HERE)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():

@@ -22,6 +22,13 @@ KIT = os.path.join(ROOT, "benchmarks", "gpu")
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 
+@pytest.fixture
+def kit(monkeypatch):
+    """The kit's modules importable for one test. ``sys.path`` is put back afterwards: a path that stays grown
+    changes the ranks' ``PYTHONPATH``, and the fork server restarts for it."""
+    monkeypatch.syspath_prepend(KIT)
+
+
 def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -134,9 +141,8 @@ def test_parts_c_and_b_pass_on_cpu_and_skip_what_needs_cuda(tmp_path):
     assert all(rows[f"{k}: LoRA and every mixin on cpu in bf16"]["status"] == "ok" for k in ("cogvlm", "cogagent"))
 
 
-def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(monkeypatch):
+def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(kit, monkeypatch):
     """Part a's figures must not be lost to SAT's triton kernel on a triton release it was not written for."""
-    sys.path[:0] = [KIT]
     import sat.model.position_embedding.triton_rotary_embeddings as rotary_embeddings
     import proof_steps as steps
     from proof_record import Recorder, Row
@@ -154,11 +160,10 @@ def test_a_step_that_fails_in_the_triton_kernel_runs_again_on_the_torch_kernel(m
     assert rotary_embeddings.apply_rotary is kernels[0]  # put back afterwards
 
 
-def test_the_rotary_check_calls_the_kernel_as_sats_rotary_embedding_does(monkeypatch):
+def test_the_rotary_check_calls_the_kernel_as_sats_rotary_embedding_does(kit, monkeypatch):
     """SAT's triton kernel asserts on ``max_seqlen`` (a call without it raises TypeError): the kit's call passes what
     SAT's ``FastRotaryEmbedding`` passes, by the same names, and the same values for the same positions."""
     import torch
-    sys.path[:0] = [KIT]
     import proof_cuda
     import sat.model.position_embedding.triton_rotary_embeddings as rotary_embeddings
     calls = []
@@ -177,17 +182,15 @@ def test_the_rotary_check_calls_the_kernel_as_sats_rotary_embedding_does(monkeyp
     assert int(kit_call["max_seqlen"]) == int(sat_call["max_seqlen"]) == 6
 
 
-def test_one_unit_in_the_last_place_is_bf16s_spacing():
+def test_one_unit_in_the_last_place_is_bf16s_spacing(kit):
     import torch
-    sys.path[:0] = [KIT]
     from proof_cuda import last_place
     values = torch.tensor([1.0, 3.0, 4.0, 6.5, -0.3], dtype=torch.bfloat16)
     assert last_place(values).tolist() == [2 ** -7, 2 ** -6, 2 ** -5, 2 ** -5, 2 ** -9]
     assert float(last_place(torch.tensor([4.0], dtype=torch.bfloat16))) == 0.03125  # the 0.031 seen at |x| ~ 4
 
 
-def test_the_kit_says_what_its_parts_cost_before_running_and_when_one_call_cannot_hold_them():
-    sys.path[:0] = [KIT]
+def test_the_kit_says_what_its_parts_cost_before_running_and_when_one_call_cannot_hold_them(kit):
     import proof
     quick = proof.cost_preview("c")
     assert quick.splitlines()[0] == "parts c: up to 60 s of device time in all (machine start not counted)"
@@ -197,8 +200,7 @@ def test_the_kit_says_what_its_parts_cost_before_running_and_when_one_call_canno
     assert "more than one device call allows (600 s)" in everything
 
 
-def test_the_shared_gpu_part_skips_with_the_reason_without_cuda():
-    sys.path[:0] = [KIT]
+def test_the_shared_gpu_part_skips_with_the_reason_without_cuda(kit):
     import proof_record
     import proof_shared
     rec = proof_record.Recorder("s")

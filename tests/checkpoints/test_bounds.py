@@ -1,32 +1,37 @@
 """Sizes read from a checkpoint folder are checked before anything is allocated from them: each test runs in a
-child process whose address space is capped a little above what it holds after its imports."""
+rank whose address space is capped a little above what it holds after its imports."""
 import json
-import os
-import subprocess
-import sys
+import resource
 import textwrap
 
 import pytest
 import torch
 
-CAP_MB = 300  # room above the child's address space after importing torch and SAT
+from sat_patches.testing import RankResult, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+CAP_MB = 300  # room above the rank's address space after importing torch and SAT
 
 
-def run_capped(code: str, with_sat: bool = False) -> subprocess.CompletedProcess:
-    sat = "import sat_patches; sat_patches.apply(); import sat.training.model_io" if with_sat else ""
-    prelude = f"""
-        import os, resource
-        os.environ.setdefault("WANDB_MODE", "disabled")
-        {sat}
-        from sat_patches.checkpoints import files
-        with open("/proc/self/status") as f:
-            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
-        cap = vm + ({CAP_MB} << 20)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=120, env=env)
+def capped(code: str, with_sat: bool) -> None:
+    """(a rank) ``code``, with ``files`` (sat_patches.checkpoints.files) at hand, in an address space capped
+    :data:`CAP_MB` above what the rank holds after its imports."""
+    if with_sat:
+        import sat_patches
+        sat_patches.apply()
+        import sat.training.model_io  # noqa: F401
+    from sat_patches.checkpoints import files
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+    cap = vm + (CAP_MB << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    exec(textwrap.dedent(code), {"files": files})
+
+
+def run_capped(code: str, with_sat: bool = False) -> RankResult:
+    [r] = run_ranks(capped, 1, args=(code, with_sat), timeout=120)
+    return r
 
 
 def checkpoint(path, config=None):

@@ -1,6 +1,7 @@
 """Crafted numpy objects in a checkpoint: an object dtype flagged as holding no references would make numpy
-read the file's bytes as pointers (a segmentation fault). Each load runs in a child process, so a crash
-fails the test instead of ending pytest."""
+read the file's bytes as pointers (a segmentation fault). Each load runs in a child process (a rank, or a
+fresh interpreter where the load needs SAT's checkpoint code set up from scratch), so a crash fails the test
+instead of ending pytest."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from sat_patches.checkpoints import safe_load
+from sat_patches.testing import run_ranks
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -60,20 +62,24 @@ def run_child(code: str) -> subprocess.CompletedProcess:
 POINTERS = CraftedArray(CraftedDtype(), b"\x41" * 16, (2,))
 
 
+def load_in_a_rank(path: str) -> str:
+    """(a rank, where a crash ends only the rank) ``safe_load.load`` of ``path``, as a user without the trust
+    setting runs it: what came of it."""
+    os.environ.pop(safe_load.TRUST_ENV, None)
+    try:
+        state = safe_load.load(path)
+    except safe_load.UnsafeCheckpointError as exc:
+        return f"REFUSED {exc}"
+    return f"LOADED {state!r}"  # reads the pointers
+
+
+@pytest.mark.multirank
 def test_object_dtype_file_is_refused_without_a_crash_through_safe_load(tmp_path):
     path = str(tmp_path / "crafted.pt")
     torch.save({"np_rng_state": ("MT19937", POINTERS, 0, 0, 0.0)}, path)
-    child = run_child(f"""
-        from sat_patches.checkpoints import safe_load
-        try:
-            state = safe_load.load({path!r})
-        except safe_load.UnsafeCheckpointError as exc:
-            print("REFUSED", exc)
-        else:
-            print("LOADED", repr(state))  # reads the pointers
-    """)
-    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
-    assert "REFUSED" in child.stdout and "numpy dtype 'O'" in child.stdout, child.stdout
+    [r] = run_ranks(load_in_a_rank, 1, args=(path,), timeout=120)
+    assert r.ok, (r.returncode, r.exception or r.output[-3000:])
+    assert r.result.startswith("REFUSED") and "numpy dtype 'O'" in r.result, r.result
 
 
 @pytest.mark.slow

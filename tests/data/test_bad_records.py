@@ -3,14 +3,12 @@ record left out and refuses when more than ``SAT_PATCHES_BAD_RECORDS_MAX`` (defa
 of data folders do not enter symlinked folders."""
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 from PIL import Image
 
 from sat_patches.data import jsonl
+from sat_patches.testing import run_ranks
 
 
 def images(folder, good, bad):
@@ -75,19 +73,20 @@ def test_skip_reports_every_bad_jsonl_record_by_file_and_line_and_refuses_past_t
         jsonl.settle(*jsonl.read_samples(path), path)
 
 
+def checked_and_found(path):
+    """(a rank, ended at the timeout if a walk never ends) the folder's check and its images."""
+    from sat_patches.cogvlm.dataset import find_images
+    return jsonl.check_data_path(path), find_images(path)
+
+
+@pytest.mark.multirank
 def test_a_symlink_loop_in_a_data_folder_ends_the_check(tmp_path):
     path = images(tmp_path / "data", good=1, bad=0)
     os.symlink(".", os.path.join(path, "loop"))
     os.symlink(".", os.path.join(path, "again"))
-    code = textwrap.dedent(f"""
-        from sat_patches.data import jsonl
-        from sat_patches.cogvlm.dataset import find_images
-        print(jsonl.check_data_path({path!r}), find_images({path!r}))
-    """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.strip() == f"[] {[os.path.join(path, 'good0.jpg')]}"
+    [r] = run_ranks(checked_and_found, 1, args=(path,), timeout=60)
+    assert r.ok, r.exception or r.output[-2000:]
+    assert r.result == ([], [os.path.join(path, "good0.jpg")])
 
 
 def test_a_relative_adapter_base_path_resolves_from_the_adapters_folder(tmp_path, monkeypatch):
