@@ -70,6 +70,10 @@ class HostRelayGroup(dist.ProcessGroup):
                  name: str = NAME):
         super().__init__(rank, size)
         self.gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # gloo's full-mesh connect can return on one rank while a peer still completes its side: a rank that
+        # then left at once (a refusal before any collective) closed the sockets under it ("Gloo
+        # connectFullMesh failed ... Connection closed by peer"). The group exists once every rank is connected.
+        self.gloo.barrier().wait()
         self.device_type = device
         self.served = {device, "cpu"} if serve_cpu else {device}
         self.name = name
