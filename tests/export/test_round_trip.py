@@ -24,7 +24,7 @@ def hf_tensors(folder):
     return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k == "cogvlm" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 def test_whole_checkpoint_mp1_and_mp2(kind, tmp_path):
     model, args = build(kind)
     state = model.state_dict()
@@ -53,7 +53,7 @@ def test_whole_checkpoint_mp1_and_mp2(kind, tmp_path):
     assert config["model_parallel_size"] == 2 and config["model_class"] == args.model_class.replace("FineTuneTrain", "")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k == "cogvlm" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 def test_lora_folded_equals_sats_merge_mp1_mp2_and_adapter_only(kind, tmp_path):
     model, args = build(kind, lora_rank=3)
     state = {k: v.clone() for k, v in model.state_dict().items()}

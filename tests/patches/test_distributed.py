@@ -89,6 +89,7 @@ def from_pretrained_mp2_on_cuda_only_group(ckpt_dir):
     return {"mp": mpu.get_model_parallel_world_size(), "backend": str(dist.get_backend())}
 
 
+@pytest.mark.slow  # a checkpoint written, then loaded on two ranks, stock and patched (~5 s)
 @pytest.mark.multirank
 def test_model_parallel_from_pretrained_on_a_cuda_only_group(tmp_path):
     ckpt = str(tmp_path / "mp1")
@@ -132,7 +133,8 @@ def start_with_cuda_on(cuda_ranks):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("cuda_ranks", [(0,), ()], ids=["one-rank-without-cuda", "no-rank-has-cuda"])
+@pytest.mark.parametrize("cuda_ranks", [(0,), pytest.param((), marks=pytest.mark.slow)],
+                         ids=["one-rank-without-cuda", "no-rank-has-cuda"])
 def test_ranks_that_disagree_on_cuda_stop_at_start_up_on_every_rank(cuda_ranks):
     results = run_ranks(start_with_cuda_on, 2, args=(cuda_ranks,), timeout=120, env={"LOCAL_RANK": "0"})
     said = [r.result for r in results]

@@ -65,6 +65,7 @@ def test_waiting_until_the_fork_imports_its_mixins_then_applied(checkout):
     assert getattr(mixins.LlamaVisionExpertAttnMixin.attention_forward, "__sat_patches__", None) == NAMES[1]
 
 
+@pytest.mark.slow  # forward and backward twice with the profiler on (~3 s); the fast tier keeps the gates
 def test_the_forks_mixins_patched_give_their_own_values_with_fewer_host_reads(checkout):
     mixins = importlib.import_module("utils.models.mixin")
     model, args = fork_model(mixins)

@@ -266,7 +266,7 @@ def _digest(file):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.mark.parametrize("default_mapping", ["MAP_PRIVATE", "MAP_SHARED"])
+@pytest.mark.parametrize("default_mapping", [pytest.param("MAP_PRIVATE", marks=pytest.mark.slow), "MAP_SHARED"])
 def test_cpu_parameters_are_the_mapped_file_and_training_never_writes_it(tiny_checkpoint, default_mapping):
     """On a CPU rank every parameter is the mapped checkpoint's own memory (no copy); a training step
     writes private copy-on-write pages: the file is unchanged, also when the program set torch's
@@ -285,6 +285,7 @@ def test_cpu_parameters_are_the_mapped_file_and_training_never_writes_it(tiny_ch
     assert _digest(shard) == before
 
 
+@pytest.mark.slow  # a training step on the mapped model (~3 s)
 def test_with_torchs_older_plain_mapping_setter_the_file_is_still_never_written(tiny_checkpoint, monkeypatch):
     """torch 2.2-2.4's ``set_default_mmap_options`` is a plain setter, not a context manager: a program's
     MAP_SHARED default is set aside for the load and given back after it."""
@@ -326,6 +327,7 @@ def test_two_loads_of_one_file_share_its_pages(tiny_checkpoint):
     assert all(torch.equal(first[n], second[n]) and first[n].data_ptr() != second[n].data_ptr() for n in first)
 
 
+@pytest.mark.slow  # a load compared tensor by tensor (~2 s)
 def test_zero_copy_off_copies_every_tensor(tiny_checkpoint, monkeypatch):
     """``SAT_PATCHES_LOAD_ZERO_COPY=0``: every tensor is copied into new memory (the loader before zero
     copy); a value other than 0 or 1 stops the load, saying what to set."""

@@ -144,6 +144,7 @@ def test_mp2_saves_one_directory_and_resumes(tmp_path):
         assert got["mp1"][0] == "ok" and got["mp1"][1][0] == 1 and got["mp1"][1][1] < 1e-4, got
 
 
+@pytest.mark.slow  # stock SAT's two-rank run (~4 s); the fast tier keeps the patched one
 def test_stock_splits_directories_loses_node_groups_and_cannot_resume(tmp_path):
     got = _run(tmp_path, MINE)
     assert all(g["train"][0] == "ok" for g in got), got

@@ -92,6 +92,7 @@ def test_rank1_preprocesses_only_after_rank0_and_heartbeats_go_on(patched):
     assert r1["waited"] >= 1.5, r1
 
 
+@pytest.mark.slow  # stock SAT's run (its fixture): the fast tier keeps the patched ranks
 @pytest.mark.multirank
 def test_stock_ranks_preprocess_at_the_same_time(stock):
     (r0, _), (r1, _) = stock
@@ -109,6 +110,7 @@ def test_rank0_error_reaches_rank1_at_once(patched):
     assert r1["waited"] < 15 and r1["spans"] == [], r1  # not after the 60 s timeout; no run of its own
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_stock_rank1_is_not_told_of_rank0_error(stock):
     (_, r0), (_, r1) = stock
@@ -116,6 +118,7 @@ def test_stock_rank1_is_not_told_of_rank0_error(stock):
     assert r1["error"] is None and len(r1["spans"]) == 1, r1  # carries on, told nothing
 
 
+@pytest.mark.slow  # waits out its timeout (~5 s)
 @pytest.mark.multirank
 def test_rank0_past_the_timeout_is_named_by_rank1(tmp_path):
     release = str(tmp_path / "release")

@@ -36,8 +36,9 @@ def test_sat_line_replaced_and_curve_written(tmp_path, capsys, caplog):
     assert not (tmp_path / "stock").exists()
 
 
-def report_on_a_model_parallel_rank(save, losses):
-    """SAT's report at iteration 3 on a rank of one model-parallel group of two, with this rank's loss."""
+def report_on_a_model_parallel_rank(save, steps):
+    """SAT's report on a rank of one model-parallel group of two, at each ``(iteration, losses)`` of ``steps`` with
+    this rank's loss; the warnings each report gave."""
     import warnings
     import torch.distributed as dist
     from sat import mpu
@@ -46,30 +47,38 @@ def report_on_a_model_parallel_rank(save, losses):
     mpu.initialize_model_parallel(2)
     args = argparse.Namespace(fp16=False, deepspeed=True, wandb=False, gradient_accumulation_steps=1, batch_size=1,
                               model_parallel_size=2, save=save)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        report_iteration_metrics(None, None, 1e-4, losses[dist.get_rank()], 900.0, 3, 4, args, {})
-    return [str(w.message) for w in seen if "model-parallel ranks" in str(w.message)]
+    said = []
+    for iteration, losses in steps:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            report_iteration_metrics(None, None, 1e-4, losses[dist.get_rank()], 900.0, iteration, 4, args, {})
+        said.append([str(w.message) for w in seen if "model-parallel ranks" in str(w.message)])
+    return said
+
+
+STEPS = [(3, (4.25, 4.25)), (4, (4.25, 3.5))]  # equal, then different
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("losses", [(4.25, 4.25), (4.25, 3.5)], ids=["equal", "different"])
-def test_the_model_parallel_ranks_losses_are_compared_and_a_difference_is_said(tmp_path, losses):
+def test_the_model_parallel_ranks_losses_are_compared_and_a_difference_is_said(tmp_path):
     """The ranks of a model-parallel group compute one loss; a difference (different batches or weights within the
     group) is warned about by the group's first rank, with each rank's loss, and kept in the curve."""
     from sat_patches.testing import run_ranks
-    results = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path), losses), timeout=120)
+    results = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path), STEPS), timeout=120)
     assert all(r.ok for r in results), results[0].output[-3000:]
-    [row] = (tmp_path / CURVE_CSV).read_text().splitlines()[1:]
-    assert row == f"3,4.25,0.0001,0.9,{losses[0] - losses[1]}"
-    if losses[0] == losses[1]:
-        assert [r.result for r in results] == [[], []]
-    else:
-        [warning] = results[0].result
-        assert "(4.25, 3.5, in model-parallel rank order)" in warning and results[1].result == []
-        stock = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path / "stock"), losses), timeout=120,
-                          patches=["progress_line"])  # stock SAT: compares nothing, writes no curve
-        assert all(r.ok and r.result == [] for r in stock) and not (tmp_path / "stock" / CURVE_CSV).exists()
+    assert (tmp_path / CURVE_CSV).read_text().splitlines()[1:] == ["3,4.25,0.0001,0.9,0.0", "4,4.25,0.0001,0.9,0.75"]
+    [equal, different] = results[0].result
+    assert equal == [] and len(different) == 1 and "(4.25, 3.5, in model-parallel rank order)" in different[0]
+    assert results[1].result == [[], []]  # the group's first rank says it
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_stock_sat_compares_no_losses(tmp_path):
+    from sat_patches.testing import run_ranks
+    stock = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path), STEPS), timeout=120,
+                      patches=["progress_line"])
+    assert [r.result for r in stock] == [[[], []]] * 2 and not (tmp_path / CURVE_CSV).exists()
 
 
 # Logged on the loggers the third parties log them on, in an interpreter where sat_patches, SAT and SAT's

@@ -77,6 +77,7 @@ def test_linears_are_nf4_as_loaded_and_the_peak_is_nf4_plus_one_layer(checkpoint
     assert stock_peak >= 0.95 * float_bytes
 
 
+@pytest.mark.slow  # two loads compared page by page (~3 s)
 def test_a_qlora_load_copies_what_it_converts_and_lends_what_it_keeps(checkpoint):
     """A load that converts linears as they arrive copies their float weights instead of lending the mapped
     file's (lent, their pages would stay mapped after conversion): no NF4 weight is the file's. What stays

@@ -48,6 +48,7 @@ def _import_xformers(tmp_path, env=None, fake_real=False):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60)
 
 
+@pytest.mark.slow  # three fresh interpreters (~6 s)
 def test_served_at_start_up_never_over_a_real_xformers_and_off_when_disabled(tmp_path):
     served = _import_xformers(tmp_path)
     assert "GOT xformers_standin" in served.stdout, served.stderr[-2000:]
