@@ -21,7 +21,8 @@ import torch
 
 from sat_patches.testing import run_ranks
 
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # SAT's ChatGLM2 trained on 2 CPU ranks (~35 s)
+pytestmark = pytest.mark.multirank
+slow = pytest.mark.slow  # SAT's ChatGLM2 trained on 2 CPU ranks (~35 s in all); the evaluation case is quick
 
 
 def _train(argv, nranks, patches=True):
@@ -49,6 +50,7 @@ def mp2_run(base, tmp_path_factory):
     return results, save
 
 
+@slow
 def test_an_mp1_checkpoint_trains_at_the_asked_mp2_with_mp1_first_loss(base, mp2_run):
     results, _ = mp2_run
     mp2 = _ok(results)
@@ -61,6 +63,7 @@ def test_an_mp1_checkpoint_trains_at_the_asked_mp2_with_mp1_first_loss(base, mp2
         in results[0].output, results[0].output[-3000:]
 
 
+@slow
 def test_a_size_the_model_cannot_split_into_stops_every_rank_with_the_reason(tmp_path):
     base = scripts.write_base(str(tmp_path / "base"), num_attention_heads=2, num_multi_query_heads=1)
     results = _train(["--from_pretrained", base, "--model-parallel-size", "2"], 2)
@@ -70,6 +73,7 @@ def test_a_size_the_model_cannot_split_into_stops_every_rank_with_the_reason(tmp
         assert "num_multi_query_heads 1 does not split into 2" in r.exception, r.exception
 
 
+@slow
 def test_merge_with_import_of_a_class_that_adds_lora_itself_gives_the_trained_logits(mp2_run, tmp_path):
     from sat.model.official.chatglm2_model import ChatGLM2Model
 
@@ -86,6 +90,7 @@ def test_merge_with_import_of_a_class_that_adds_lora_itself_gives_the_trained_lo
     assert (merged - trained).abs().max() <= 1e-4 * trained.abs().max(), (merged - trained).abs().max()
 
 
+@slow
 def test_qlora_in_the_constructor_loads_as_nf4_with_bitsandbytes_bits(base, monkeypatch):
     import bitsandbytes.functional as bnbf
 
@@ -109,6 +114,7 @@ def test_qlora_in_the_constructor_loads_as_nf4_with_bitsandbytes_bits(base, monk
     assert torch.equal(qkv.original.weight.data.reshape(-1), want.reshape(-1))
 
 
+@slow
 def test_qlora_in_the_constructor_trains_on_two_data_parallel_ranks(base):
     got = _ok(_train(["--from_pretrained", base, "--model-parallel-size", "1", "--use_qlora"], 2))
     for rank in got:
@@ -120,6 +126,7 @@ BF16_EVAL = ["--model-parallel-size", "1", "--bf16", "--zero-stage", "1", "--val
              "--eval-interval", "2", "--eval-iters", "1", "--eval-batch-size", "4"]
 
 
+@slow
 @pytest.mark.parametrize("patched", [True, False])
 def test_a_bf16_run_evaluates(base, tmp_path, patched):
     argv = ["--from_pretrained", base, "--summary-dir", str(tmp_path / "summary")] + BF16_EVAL
