@@ -1,5 +1,4 @@
-import sys
-
+from .cli import exit_now
 from .cli.main import main
 
-sys.exit(main())
+exit_now(main())
