@@ -1,4 +1,5 @@
-from .cli import exit_now
+import sys
+
 from .cli.main import main
 
-exit_now(main())
+sys.exit(main())
