@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-import bitsandbytes.functional as bnbf
+from .bitsandbytes_import import import_bitsandbytes
+
+import_bitsandbytes()  # without torch's compiler until a kernel runs
+import bitsandbytes.functional as bnbf  # noqa: E402
 import torch
 from bitsandbytes.nn import Linear4bit, LinearNF4, Params4bit
 from sat.model.base_model import BaseModel

@@ -276,4 +276,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import exit_now  # without the teardown of the model it built (SAT's one-process group destroyed first)
+    exit_now(main())

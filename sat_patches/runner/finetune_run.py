@@ -37,6 +37,7 @@ from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
 from ..planning import estimator as plan
+from . import one_process
 from .finetune_check import check, config_path, data_errors, visible_gpus
 
 # upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
@@ -407,22 +408,41 @@ def main(argv=None) -> int:
             print(f"note: {line}", flush=True)
     if cwd:
         print(f"+ cd {shlex.quote(cwd)}", flush=True)
-    for cmd in commands:
-        if "{checkpoint}" in cmd:
-            cmd = [latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
-                   for c in cmd] if env.get("DRY_RUN") != "1" else cmd
-        print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    for group in steps(commands):
         if env.get("DRY_RUN") == "1":
+            for cmd in group:
+                print(one_process.step_line(cmd), flush=True)
             continue
+        group = [[latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
+                  for c in cmd] for cmd in group]
+        if len(group) > 1:  # one interpreter; it prints each step's line and, on a failure, which step failed
+            code = subprocess.call(one_process.command(group), env=run_env, cwd=cwd)
+            if code != 0:
+                return code
+            continue
+        [cmd] = group
+        print(one_process.step_line(cmd), flush=True)
         code = subprocess.call(cmd, env=run_env, cwd=cwd)
         if code != 0:
-            print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr)
+            print(one_process.step_failed(cmd, code), file=sys.stderr)
             return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
         print_evaluations(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
     if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(hf_export_dir(env["WORK_DIR"])):
         print(f"Hugging Face export: {hf_export_dir(env['WORK_DIR'])}", flush=True)
     return 0
+
+
+def steps(commands: List[List[str]]) -> List[List[List[str]]]:
+    """``commands`` in the groups they run in: consecutive steps that :mod:`sat_patches.runner.one_process` can run
+    in one interpreter (the CPU demo's merge, verify and export) together, every other step alone."""
+    groups: List[List[List[str]]] = []
+    for cmd in commands:
+        if groups and one_process.verb_module(cmd) and one_process.verb_module(groups[-1][-1]):
+            groups[-1].append(cmd)
+        else:
+            groups.append([cmd])
+    return groups
 
 
 def print_evaluations(save_dir: str) -> None:

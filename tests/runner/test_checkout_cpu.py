@@ -40,30 +40,6 @@ def run(script, env=None, cwd=None, timeout=300):
                           timeout=timeout)
 
 
-# The script's runner (what the scripts exec, with their MODEL_KIND and SCRIPT_DIR), stopped once the training
-# step has succeeded: for checks of what training read and wrote, without the merge, reload and export steps
-# (each a fresh interpreter importing SAT) that the whole run adds.
-UNTIL_TRAINED = """
-import subprocess, sys
-from sat_patches.runner import finetune_run
-call = subprocess.call
-def call_until_trained(cmd, **kwargs):
-    code = call(cmd, **kwargs)
-    if code == 0 and "train" in cmd:  # "python -m sat_patches.finetune train" or torchrun of it
-        sys.stdout.flush()
-        sys.exit(0)
-    return code
-finetune_run.subprocess.call = call_until_trained
-sys.exit(finetune_run.main())
-"""
-
-
-def run_until_trained(kind, env=None, cwd=None, timeout=300):
-    e = script_env(dict(env or {}, MODEL_KIND=kind, SCRIPT_DIR=os.path.dirname(SCRIPTS[kind])))
-    return subprocess.run([sys.executable, "-c", UNTIL_TRAINED], env=e, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_fake_checkout_has_upstreams_layout(tmp_path):
     checkout = write_fake_checkout(str(tmp_path / "CogVLM"))
     for rel in ("finetune_demo/finetune_cogvlm_demo.py", "finetune_demo/finetune_cogagent_demo.py",

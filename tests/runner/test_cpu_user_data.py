@@ -1,12 +1,13 @@
 """Without a GPU, both the standalone run and a checkout's CPU smoke test (CPU_RANKS) use the user's
 TRAIN_DATA / VALID_DATA and TRAIN_ITERS: an empty data folder is refused before launch, a user's JSONL
-file is what trains, and each setting a CPU run cannot honour is named with why."""
+file is what trains, and each setting a CPU run cannot honour is named with why. A whole run on the user's
+records is tests/runner/test_finetune_scripts.py's CogAgent run."""
 import json
 
 import pytest
 from PIL import Image
 
-from test_checkout_cpu import SCRIPTS, checkout_with_script, run, run_until_trained
+from test_checkout_cpu import SCRIPTS, checkout_with_script, run
 
 UNIQUE = "only-in-the-users-file-42"
 
@@ -77,17 +78,3 @@ def test_a_checkout_smoke_test_trains_on_the_users_folder_and_refuses_jsonl_its_
     assert out.returncode == 2
     assert f"TRAIN_DATA={data}: the checkout's finetune_cogvlm_demo.py reads folders of <label>.jpg images" \
         in out.stderr
-
-
-@pytest.mark.slow
-def test_the_standalone_cpu_run_reads_the_users_records(tmp_path):
-    """A real run: the trained model answers the user's validation records (predictions name the record
-    only the user's file holds). Up to training: what follows (merge, reload, export) reads no data and is
-    run whole by tests/runner/test_finetune_scripts.py."""
-    data = user_jsonl(tmp_path / "data")
-    out = run_until_trained("cogvlm", {"CPU_RANKS": "2", "TRAIN_DATA": data, "VALID_DATA": data, "TRAIN_ITERS": "2",
-                                       "SAVE_INTERVAL": "2"}, cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    predictions = tmp_path / "sat_patches_demo" / "cogvlm" / "checkpoints" / "evaluation" / "predictions.jsonl"
-    ids = [json.loads(line).get("id") for line in predictions.read_text().splitlines()]
-    assert UNIQUE in ids, ids
