@@ -96,7 +96,9 @@ def call(cmd, cwd, env=None, what="") -> str:
 
 def script_env(work: str, tiny: bool, extra: dict) -> dict:
     """The environment of ``finetune_cogvlm.sh``: the shared-GPU mode, MP=2 on two ranks, the part's paths."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    # a rank's variables of this process (its own world-size-1 group) are not the launched ranks'
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(SAT_PATCHES_SHARED_GPU="1", MP_SIZE=str(MP), TRAIN_ITERS=str(ITERS), SAVE_INTERVAL=str(SAVE_AT),
                LOG_INTERVAL="1", EVAL_INTERVAL="100000")
     if tiny:

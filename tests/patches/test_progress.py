@@ -53,6 +53,10 @@ def report_on_a_model_parallel_rank(save, steps):
             warnings.simplefilter("always")
             report_iteration_metrics(None, None, 1e-4, losses[dist.get_rank()], 900.0, iteration, 4, args, {})
         said.append([str(w.message) for w in seen if "model-parallel ranks" in str(w.message)])
+    # stock SAT runs no collective here: without this a rank could leave while its peer still connects the
+    # model-parallel group's sockets (gloo's connect returns on one side first)
+    dist.barrier()
+    dist.destroy_process_group()
     return said
 
 
