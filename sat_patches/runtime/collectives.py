@@ -41,8 +41,8 @@ def broadcast_data(keys, data, datatype):
 
 def model_parallel_values(value: float):
     """``value`` of every rank of this rank's model-parallel group, in the group's rank order (one small gather on
-    :func:`~sat_patches.runtime.devices.communication_device`); ``[value]`` without model parallelism (or before SAT set it up). Every rank
-    of the group must call it."""
+    :func:`~sat_patches.runtime.devices.communication_device`); ``[value]`` without model parallelism (or before
+    SAT set it up). Every rank of the group must call it."""
     size = get_model_parallel_world_size() if model_parallel_is_initialized() else 1
     if size == 1:
         return [float(value)]
