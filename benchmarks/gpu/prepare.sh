@@ -35,7 +35,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEST="$ROOT/.gpu-wheels"
 LIMIT=$((64 * 1024 * 1024))   # the device tool's carry limit: working tree plus carried paths
 
-# name==version, one per line: what the proof imports beyond the machine's image (the kit's test reads this list)
+# name==version, one per line: what the proof imports beyond the machine's image (the kit's test reads this list):
+# SAT, bitsandbytes, DeepSpeed's needs, sat_patches' own CAPTCHA drawing (captcha), and jsonlines, which a CogVLM
+# checkout's utils/utils/dataset.py imports (parts u and w)
 WHEELS=(
   SwissArmyTransformer==0.4.12
   bitsandbytes==0.50.2
@@ -48,6 +50,8 @@ WHEELS=(
   tensorboardX==2.6.5
   webdataset==1.0.2
   braceexpand==0.1.7
+  captcha==0.7.1
+  jsonlines==4.0.0
 )
 DEEPSPEED=deepspeed==0.19.8
 # parts p and h, installed apart (the image holds other versions of these; the kit's test reads this list):

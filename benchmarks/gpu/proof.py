@@ -90,7 +90,7 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
     if part in ("p", "h"):
         import proof_peer
         proof_peer.prepare_imports(peer_site)  # before SAT, which imports transformers
-    stand_in_unused()
+    stand_in_unused(os.path.join(scratch, f"stand_ins_{part}"))
     if tiny:
         os.environ.setdefault("SAT_PATCHES_DEVICE", "cpu")
     import sat_patches  # noqa: F401  (before SAT: the patches go on when SAT is imported)

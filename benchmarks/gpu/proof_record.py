@@ -10,20 +10,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.machinery
 import json
 import os
 import sys
 import time
 import traceback
-import types
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 NO_CUDA = "skipped: no CUDA"
-# Imported by SAT 0.4.12 at `import sat` but never called by the proof (`--wandb` is off, no Hugging Face
-# data set is read); not carried to the GPU machine (wandb's wheel alone is 20 MB of the 64 MiB carry).
-UNUSED_BY_THE_PROOF = ("wandb", "datasets")
+# Imported but never called by the proof: wandb and datasets by SAT 0.4.12 at `import sat` (`--wandb` is off, no
+# Hugging Face data set is read), spacy by a CogVLM checkout's `utils/utils/grounding_parser.py` (the fine-tune
+# parses no grounding answer); not carried to the GPU machine (wandb's wheel alone is 20 MB, spacy's 35 MB, of
+# the 64 MiB carry).
+UNUSED_BY_THE_PROOF = ("wandb", "datasets", "spacy")
 
 
 @dataclass
@@ -114,32 +114,55 @@ def gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB"
 
 
-def placeholder(name: str) -> types.ModuleType:
-    """An importable module ``name`` whose every attribute, when called, says it was not carried."""
-    module = types.ModuleType(name, f"sat_patches GPU proof: {name} is not installed here (not used by the proof)")
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    module.__sat_patches_placeholder__ = True
-
-    def missing(attr):
-        if attr.startswith("__"):  # what importers and inspect probe (__file__, __path__, ...)
-            raise AttributeError(f"placeholder module {name!r} has no attribute {attr!r}")
-
-        def call(*args, **kwargs):
-            raise ImportError(f"{name}.{attr}: {name} is not installed on this machine (the GPU proof does "
-                              f"not use it)")
-        return call
-    module.__getattr__ = missing
-    return module
+# Called at import by a module the proof imports: the checkout's grounding parser loads spacy's English model at import
+# (the user's `python -m spacy download en_core_web_sm`); what the call returns raises when it is used.
+CALLED_AT_IMPORT = {"spacy": ("load",)}
+PLACEHOLDER = '''"""sat_patches GPU proof: {name} is not installed here (not used by the proof)."""
+__sat_patches_placeholder__ = True
+CALLED_AT_IMPORT = {called!r}
 
 
-def stand_in_unused() -> List[str]:
-    """Install :func:`placeholder` modules for :data:`UNUSED_BY_THE_PROOF` that do not import here;
-    returns their names (each run's JSON lists them under ``stood_in``)."""
+class Unused:
+    def __init__(self, what):
+        self.what = what
+
+    def __call__(self, *args, **kwargs):
+        raise ImportError(f"{{self.what}}: {name} is not installed on this machine (the GPU proof does not use it)")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Unused(f"{{self.what}}.{{attr}}")
+
+
+def __getattr__(attr):
+    if attr.startswith("__"):  # what importers and inspect probe (__file__, __path__, ...)
+        raise AttributeError(f"placeholder module {name!r} has no attribute {{attr!r}}")
+    if attr in CALLED_AT_IMPORT:
+        return lambda *args, **kwargs: Unused(f"{name}.{{attr}}(...)")
+    return Unused(f"{name}.{{attr}}")
+'''
+
+
+def stand_in_unused(folder: str) -> List[str]:
+    """Write a placeholder module into ``folder`` for each of :data:`UNUSED_BY_THE_PROOF` that does not import
+    here (every attribute, when called, says it was not carried) and put ``folder`` first on ``sys.path`` and on
+    ``PYTHONPATH``: the processes a part launches (the demo's ranks) import SAT too. Returns the names in use as
+    placeholders (each run's JSON lists them under ``stood_in``)."""
+    os.makedirs(folder, exist_ok=True)
     for name in UNUSED_BY_THE_PROOF:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 (absent, or broken against this machine's other packages)
-            sys.modules[name] = placeholder(name)
+            sys.modules.pop(name, None)
+            with open(os.path.join(folder, f"{name}.py"), "w", encoding="utf-8") as f:
+                f.write(PLACEHOLDER.format(name=name, called=CALLED_AT_IMPORT.get(name, ())))
+    sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+    importlib.invalidate_caches()
+    for name in UNUSED_BY_THE_PROOF:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     return stood_in()
 
 
