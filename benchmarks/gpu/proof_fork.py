@@ -30,6 +30,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,12 +87,25 @@ def in_process(*args, checkout: str) -> None:
 
 
 def call(cmd, cwd, env=None, what="") -> str:
-    """Run ``cmd``; its output (last part) when it fails, as the row's error."""
+    """Run ``cmd``; when it fails, its output's last lines go to this part's output (the kit's log) and its last
+    error line to the row."""
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    output = done.stdout + done.stderr
     if done.returncode != 0:
-        raise AssertionError(f"{what or cmd[0]} exited with {done.returncode}: "
-                             f"{(done.stdout[-2500:] + done.stderr[-2500:]).strip()}")
-    return done.stdout + done.stderr
+        tail = output.splitlines()[-150:]
+        print(f"---- {what or cmd[0]} exited with {done.returncode}; the last {len(tail)} lines of its output:",
+              *tail, "----", sep="\n", flush=True)
+        raise AssertionError(f"{what or cmd[0]} exited with {done.returncode}: {last_error(output)}")
+    return output
+
+
+def last_error(output: str) -> str:
+    """The last exception a rank raised in ``output`` (the launcher's own ``ChildFailedError`` says only that a
+    rank failed), else the last line saying error, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b", line) and "ChildFailedError" not in line]
+    said = [line for line in lines if "error" in line.lower()]
+    return (raised or said or lines or [""])[-1][:400]
 
 
 def script_env(work: str, tiny: bool, extra: dict) -> dict:
