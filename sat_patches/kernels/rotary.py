@@ -30,13 +30,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
         pos = pos + seqlen_offsets.long().view(batch, 1)
     else:
         pos = pos + seqlen_offsets
-    # in fp32, rounded once to x's dtype at the end, as the triton kernel computes (bf16 products and their
-    # difference rounded apart are up to a unit in the last place of the terms off, under cancellation)
-    c = cos[pos].unsqueeze(1).float()  # (batch, 1, seqlen, half)
-    s = sin[pos].unsqueeze(1).float()
+    c = cos[pos].unsqueeze(1)  # (batch, 1, seqlen, half)
+    s = sin[pos].unsqueeze(1)
     if conjugate:
         s = -s
-    rot = x[..., :rotary_dim].float()
+    rot = x[..., :rotary_dim]
     if interleaved:
         x0, x1 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)

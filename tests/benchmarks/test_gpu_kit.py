@@ -207,3 +207,24 @@ def test_the_shared_gpu_part_skips_with_the_reason_without_cuda(kit):
     proof_shared.run(rec, True)
     [row] = rec.rows
     assert row.check.startswith("2 ranks share one card") and row.status == "skipped: no CUDA", row
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_bf16_rotary_bound_holds_for_another_rounding_order_and_not_for_another_rotation(kit, interleaved):
+    """Part c's bf16 rotary check: the torch fallback (products and sum rounded to bf16 apart) beside the same
+    rotation rounded once from fp32 (as a kernel computing in fp32 does) is within 3 units of the pair's length;
+    the rotation of the next position is not."""
+    import torch
+    from proof_cuda import units_apart
+    from sat_patches.kernels.rotary import apply_rotary
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 64, 128, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(96, 64, generator=gen) * 6.28
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    positions = torch.randint(0, 90, (2, 64), generator=gen)
+    want = apply_rotary(x, cos, sin, positions, interleaved=interleaved)
+    once = apply_rotary(x.float(), cos.float(), sin.float(), positions, interleaved=interleaved).to(torch.bfloat16)
+    assert (once != want).any()  # the two orders do round apart here
+    assert units_apart(once, want, x, interleaved) <= 3
+    shifted = apply_rotary(x, cos, sin, positions + 1, interleaved=interleaved)
+    assert units_apart(shifted, want, x, interleaved) > 30

@@ -144,3 +144,27 @@ def test_sat_initialize_distributed_refuses_a_bad_config_before_its_own_code():
     args = argparse.Namespace(deepspeed_config=bad, world_size=8, model_parallel_size=2, batch_size=4)
     with pytest.raises(DeepSpeedConfigError, match="Delete train_batch_size"):  # SAT's code would need args.device
         sat.arguments.initialize_distributed(args)  # as patched by sat_patches
+
+
+def test_fused_adam_builds_with_an_architecture_specific_arch_list(monkeypatch):
+    """Hopper images set ``TORCH_CUDA_ARCH_LIST=9.0a``; DeepSpeed's op builder reads it with ``int()`` before
+    FusedAdam's JIT build. Patched, the op is built for 9.0 (the environment as DeepSpeed leaves it)."""
+    import importlib
+    from sat_patches.testing import patches_removed
+    builder = importlib.import_module("deepspeed.ops.op_builder.fused_adam").FusedAdamBuilder()
+    builder.jit_mode = True  # as jit_load sets it
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    with patches_removed("deepspeed_arch_variants"):
+        with pytest.raises(ValueError, match="'0a'"):
+            builder.compute_capability_args()
+    builder.compute_capability_args()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"  # what DeepSpeed writes for the list it builds
+    builder._jit_arch_list = "9.0a;10.0a+PTX"  # the list jit_load captured
+    builder.compute_capability_args()
+    assert builder._jit_arch_list == "9.0;10.0+PTX" and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0;10.0+PTX"
+
+
+def test_arch_lists_lose_only_their_variant_suffixes():
+    from sat_patches.runtime.cuda_arch import without_variants
+    assert without_variants("7.5;8.0;8.6+PTX;9.0a;10.0a+PTX;12.0f") == "7.5;8.0;8.6+PTX;9.0;10.0+PTX;12.0"
+    assert without_variants("9.0 9.0a") == "9.0 9.0" and without_variants(None) is None and without_variants("") == ""
