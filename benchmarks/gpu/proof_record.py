@@ -147,8 +147,8 @@ def __getattr__(attr):
 def stand_in_unused(folder: str) -> List[str]:
     """Write a placeholder module into ``folder`` for each of :data:`UNUSED_BY_THE_PROOF` that does not import
     here (every attribute, when called, says it was not carried) and put ``folder`` first on ``sys.path`` and on
-    ``PYTHONPATH``: the processes a part launches (the demo's ranks) import SAT too. Returns the names in use as
-    placeholders (each run's JSON lists them under ``stood_in``)."""
+    ``PYTHONPATH``: the processes a part launches (the demo's ranks) import SAT too. Returns the names imported so
+    far as placeholders (each run's JSON lists those its part imported under ``stood_in``)."""
     os.makedirs(folder, exist_ok=True)
     for name in UNUSED_BY_THE_PROOF:
         try:
@@ -160,9 +160,6 @@ def stand_in_unused(folder: str) -> List[str]:
     sys.path.insert(0, folder)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
     importlib.invalidate_caches()
-    for name in UNUSED_BY_THE_PROOF:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
     return stood_in()
 
 
