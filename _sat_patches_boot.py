@@ -12,12 +12,15 @@ written in plain torch, so that ``import sat`` (and CogVLM's model code) work be
   ``xformers.ops.memory_efficient_attention``; served from ``sat_patches/standins/xformers/``
   (patch ``xformers_standin``) when xformers is not installed.
 
-Each does nothing when the real module is installed or ``SAT_PATCHES_DISABLE`` names its patch.
+Each does nothing when the real module is installed or ``SAT_PATCHES_DISABLE`` names its patch. The same hook
+defers three libraries SAT imports at ``import sat`` and a fine-tune never uses (``_sat_patches_deferred``).
 """
 import importlib.abc
 import importlib.util
 import os
 import sys
+
+import _sat_patches_deferred
 
 TRITON_ROTARY = "sat.model.position_embedding.triton_rotary"
 PATCH_NAME = "triton_rotary_import"
@@ -83,6 +86,7 @@ class StandInFinder(importlib.abc.MetaPathFinder):
 def install():
     if not any(isinstance(f, StandInFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, StandInFinder())
+    _sat_patches_deferred.install()  # libraries SAT imports at `import sat` and a fine-tune never uses
 
 
 install()

@@ -52,7 +52,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["sat_patches", "sat_patches.*"]),
-    py_modules=["_sat_patches_boot"],
+    py_modules=["_sat_patches_boot", "_sat_patches_deferred"],
     cmdclass={"build_py": BuildPyWithPth},
     package_data={"sat_patches": ["configs/*.json"]},
     python_requires=">=3.9",

@@ -1,10 +1,12 @@
-"""Registry entries that replace no function: modules served from stand-ins, and third-party log filters."""
+"""Registry entries that replace no function: modules served from stand-ins, libraries imported when first used,
+and third-party log filters."""
 from __future__ import annotations
 
 import importlib.util
 import sys
 
 import _sat_patches_boot
+import _sat_patches_deferred
 
 from . import noise
 from .registry import MARKER, Patch
@@ -72,4 +74,26 @@ class QuietThirdPartyPatch(Patch):
     def restore(self) -> None:
         if self.status == "applied":
             noise.remove()
+            self.status, self.reason = "restored", ""
+
+
+class DeferredImportsPatch(Patch):
+    """The start-up hook's deferral of the libraries SAT imports at ``import sat`` and a fine-tune never uses
+    (``_sat_patches_deferred``) as a registry entry: listed, disable-able (``SAT_PATCHES_DISABLE``, read when SAT
+    is imported), restorable (later imports of SAT's modules import those libraries again)."""
+
+    def current(self):
+        return any(isinstance(f, _sat_patches_deferred.DeferringFinder) for f in sys.meta_path)
+
+    def is_applied(self) -> bool:
+        return self.current() and _sat_patches_deferred.wanted()
+
+    def apply(self, force: bool = False, aliases=None) -> None:  # (binds no function: no aliases to rebind)
+        _sat_patches_deferred.install()
+        self.status, self.reason = "applied", ""
+
+    def restore(self) -> None:
+        if self.status == "applied":
+            for finder in [f for f in sys.meta_path if isinstance(f, _sat_patches_deferred.DeferringFinder)]:
+                sys.meta_path.remove(finder)
             self.status, self.reason = "restored", ""

@@ -1,4 +1,6 @@
-"""Modules that exist only where CUDA does, served by stand-ins (``_sat_patches_boot``), as registry entries.
+"""Modules that exist only where CUDA does, served by stand-ins (``_sat_patches_boot``), and libraries that SAT
+imports at ``import sat`` but a fine-tune never uses, imported when first used (``_sat_patches_deferred``), as
+registry entries.
 
 The start-up hook serves them while ``import sat`` (or CogVLM's model code) runs, before this package
 may be imported at all; these records make them visible in ``sat-patches status``, turned off by
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import _sat_patches_boot
 
-from ..core.module_patches import ServedModulePatch
+from ..core.module_patches import DeferredImportsPatch, ServedModulePatch
 
 
 PATCHES = [
@@ -16,4 +18,9 @@ PATCHES = [
         "xformers_standin", "sys.modules:" + _sat_patches_boot.XFORMERS, make=None,
         answers="xformers ships CUDA wheels only; CogVLM's EVA2-CLIP attention calls "
                 "xformers.ops.memory_efficient_attention: served from torch's scaled_dot_product_attention"),
+    DeferredImportsPatch(
+        "deferred_imports", "sys.meta_path:DeferringFinder", make=None,
+        answers="each process importing SAT spends 3-4 s importing wandb, datasets and transformers.activations "
+                "(which pulls in torch.distributed.tensor), which a CogVLM fine-tune never calls: imported at "
+                "their first use"),
 ]

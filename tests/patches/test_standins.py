@@ -1,4 +1,5 @@
-"""Stand-ins for CUDA-only modules: xformers' memory_efficient_attention in plain torch."""
+"""Stand-ins for CUDA-only modules: xformers' memory_efficient_attention in plain torch; the libraries SAT imports at
+``import sat`` and a fine-tune never uses, imported at their first use."""
 import math
 import os
 import subprocess
@@ -67,3 +68,35 @@ def test_listed_in_status_and_unpatched_like_any_patch():
     finally:
         sat_patches.apply()
     assert sat_patches.is_patched("xformers_standin")
+
+
+DEFERRED_RUN = r"""
+import importlib, json, sys
+import sat_patches, sat
+held = [m for m in ("wandb", "datasets", "transformers.activations") if m in sys.modules]
+import torch
+import sat.data_utils.hf_dataset as hf, sat.model.official.gpt2_model as gpt2, sat.training.deepspeed_training as dt
+x = torch.linspace(-3, 3, 7)
+first = gpt2.gelu(x)                       # SAT's GPT-2 activation, bound at import as ACT2FN["gelu_new"]
+from transformers.activations import NewGELUActivation
+rows = dict(held=held, repr=repr(hf.load_dataset), same=bool(torch.equal(first, NewGELUActivation()(x))),
+            wandb=dt.wandb.log.__module__.split(".")[0], datasets_unused="datasets" in sys.modules)
+sat_patches.unpatch("deferred_imports")    # SAT's module imported again, as stock SAT imports it
+del sys.modules["sat.data_utils.hf_dataset"]
+importlib.import_module("sat.data_utils.hf_dataset")
+rows["datasets_stock"] = "datasets" in sys.modules
+print(json.dumps(rows))
+"""
+
+
+def test_libraries_sat_imports_but_a_fine_tune_never_uses_are_imported_at_first_use():
+    """After ``import sat`` none of wandb, datasets and transformers.activations is imported; what SAT bound from
+    them works as the real objects at first use; without the patch SAT's module imports its library."""
+    import json
+    run = subprocess.run([sys.executable, "-c", DEFERRED_RUN], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert rows["held"] == [] and rows["datasets_unused"] is False, rows
+    assert rows["repr"] == "<deferred datasets.load_dataset>" and rows["same"] and rows["wandb"] == "wandb", rows
+    assert rows["datasets_stock"] is True, rows
+    assert {r["name"]: r for r in sat_patches.status()}["deferred_imports"]["status"] == "applied"
