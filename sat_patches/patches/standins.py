@@ -20,7 +20,7 @@ PATCHES = [
                 "xformers.ops.memory_efficient_attention: served from torch's scaled_dot_product_attention"),
     DeferredImportsPatch(
         "deferred_imports", "sys.meta_path:DeferringFinder", make=None,
-        answers="each process importing SAT spends 3-4 s importing wandb, datasets and transformers.activations "
-                "(which pulls in torch.distributed.tensor), which a CogVLM fine-tune never calls: imported at "
-                "their first use"),
+        answers="each process importing SAT spends about 4 s importing wandb, datasets, transformers.activations "
+                "(which pulls in torch.distributed.tensor), tensorboardX and requests, which a CogVLM fine-tune "
+                "calls on request or in one process only: imported at their first use"),
 ]
