@@ -4,8 +4,9 @@ imported when first used instead (run from ``_sat_patches_boot``; imports nothin
 SwissArmyTransformer 0.4.12 imports, at ``import sat``, libraries that a CogVLM fine-tune calls only on request
 or in one process: ``wandb`` (``sat/training/deepspeed_training.py``; used with ``--wandb``), ``datasets``
 (``sat/data_utils/hf_dataset.py``; used for ``hf://`` data), ``transformers.activations``
-(``sat/model/official/gpt2_model.py``, one activation of SAT's GPT-2), ``tensorboardX`` (``sat/training/utils.py``;
-rank 0 of a training run writes summaries) and ``requests`` (``sat/resources/download.py``; SAT's model zoo).
+(``sat/model/official/gpt2_model.py``, one activation of SAT's GPT-2) and ``requests``
+(``sat/resources/download.py``; SAT's model zoo). ``tensorboardX`` (``sat/training/utils.py``) stays as it is: rank 0
+of every training run writes summaries with it.
 Together about 4 s of every process's start-up on a CPU (each rank, each ``sat-patches`` verb that loads a model),
 and the GPT-2 activation pulls in ``torch.distributed.tensor`` through transformers. While each of those three SAT modules runs its own code, the
 library it imports is a :class:`DeferredModule` in ``sys.modules``: a name it binds (``import wandb``,
@@ -27,7 +28,6 @@ DEFERRED = {
     "sat.training.deepspeed_training": ("wandb",),
     "sat.data_utils.hf_dataset": ("datasets",),
     "sat.model.official.gpt2_model": ("transformers.activations",),
-    "sat.training.utils": ("tensorboardX",),       # SummaryWriter: rank 0 of a training run writes summaries
     "sat.resources.download": ("requests",),       # downloads of SAT's model zoo
 }
 

@@ -21,6 +21,6 @@ PATCHES = [
     DeferredImportsPatch(
         "deferred_imports", "sys.meta_path:DeferringFinder", make=None,
         answers="each process importing SAT spends about 4 s importing wandb, datasets, transformers.activations "
-                "(which pulls in torch.distributed.tensor), tensorboardX and requests, which a CogVLM fine-tune "
-                "calls on request or in one process only: imported at their first use"),
+                "(which pulls in torch.distributed.tensor) and requests, which a CogVLM fine-tune calls only on "
+                "request: imported at their first use"),
 ]

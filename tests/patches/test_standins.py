@@ -73,7 +73,7 @@ def test_listed_in_status_and_unpatched_like_any_patch():
 DEFERRED_RUN = r"""
 import importlib, json, sys
 import sat_patches, sat
-held = [m for m in ("wandb", "datasets", "transformers.activations", "tensorboardX", "requests") if m in sys.modules]
+held = [m for m in ("wandb", "datasets", "transformers.activations", "requests") if m in sys.modules]
 import torch
 import sat.data_utils.hf_dataset as hf, sat.model.official.gpt2_model as gpt2, sat.training.deepspeed_training as dt
 x = torch.linspace(-3, 3, 7)
@@ -90,7 +90,7 @@ print(json.dumps(rows))
 
 
 def test_libraries_sat_imports_but_a_fine_tune_never_uses_are_imported_at_first_use():
-    """After ``import sat`` none of wandb, datasets, transformers.activations, tensorboardX, requests is imported; what SAT bound from
+    """After ``import sat`` none of wandb, datasets, transformers.activations, requests is imported; what SAT bound from
     them works as the real objects at first use; without the patch SAT's module imports its library."""
     import json
     run = subprocess.run([sys.executable, "-c", DEFERRED_RUN], capture_output=True, text=True, timeout=300)
