@@ -14,8 +14,6 @@ from sat_patches.export.llama import llama_config_kwargs, llama_state_dict
 from .helpers import build, config_of, save
 from .test_round_trip import hf_tensors
 
-transformers = pytest.importorskip("transformers")
-
 
 @pytest.mark.parametrize("eps", [None, 1e-6])
 def test_llama_logits_equal_sat_cogvlm_text_only(tmp_path, eps):
@@ -35,6 +33,7 @@ def test_llama_logits_equal_sat_cogvlm_text_only(tmp_path, eps):
     hf_config = json.load(open(os.path.join(tmp_path, "hf", "config.json")))
     assert hf_config["rms_norm_eps"] == (1e-5 if eps is None else eps)   # SAT's default when the config has none
 
+    transformers = pytest.importorskip("transformers")  # here, not at collection
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config_kwargs(hf_config)))
     missing, unexpected = llama.load_state_dict(llama_state_dict(hf_tensors(str(tmp_path / "hf")), args.hidden_size),
                                                 strict=False)

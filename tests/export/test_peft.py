@@ -14,7 +14,6 @@ from sat_patches.export.source import ExportError
 from .helpers import KINDS, base_state, build, config_of, folded, mp2_states, save, save_adapter_only
 from .test_round_trip import hf_tensors
 
-peft = pytest.importorskip("peft")
 
 
 class Named(nn.Module):
@@ -63,6 +62,7 @@ def test_peft_merge_equals_sat_merge(kind, alpha, tmp_path):
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 2
 
     hf_base = Named(hf_tensors(str(tmp_path / "hf")))
+    peft = pytest.importorskip("peft")  # here, not at collection: peft imports much of transformers (~5 s)
     wrapped = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "peft"))
     lora_layers = [n for n, m in wrapped.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
     assert len(lora_layers) == info["layers"]

@@ -88,6 +88,7 @@ def cpu_tensor_on_the_cuda_group(check_removed):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two launches of two ranks (~10 s); the fast tier keeps the refusal's own test below
 @pytest.mark.multirank
 def test_a_cpu_tensor_on_the_cuda_group_is_refused_as_nccl_refuses_it():
     refused = run_ranks(cpu_tensor_on_the_cuda_group, 2, args=(False,), timeout=120)

@@ -89,6 +89,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing SAT (~10 s); the registry's fast tests list the record
 def test_libraries_sat_imports_but_a_fine_tune_never_uses_are_imported_at_first_use():
     """After ``import sat`` none of wandb, datasets, transformers.activations, requests is imported; what SAT bound from
     them works as the real objects at first use; without the patch SAT's module imports its library."""

@@ -66,6 +66,7 @@ def test_forked_ranks_have_their_own_output_environment_and_session():
     assert results[0].result["pid"] != results[1].result["pid"]
 
 
+@pytest.mark.slow  # starts the stock fork server (~10 s); tests/e2e/test_training.py's stock run uses it fast
 def test_patched_and_stock_forked_ranks_differ():
     [patched] = run_ranks(patch_state, 1, timeout=120)
     [stock] = run_ranks(patch_state, 1, timeout=120, patches="stock")
