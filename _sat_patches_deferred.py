@@ -144,6 +144,19 @@ class _Binding:
         return False
 
 
+def found_elsewhere(finder, fullname: str):
+    """The spec the other finders give for ``fullname`` while ``finder`` (a meta path finder with a ``_finding``
+    flag) steps aside, or None where its loader cannot be wrapped (no ``exec_module``)."""
+    finder._finding = True
+    try:
+        spec = importlib.util.find_spec(fullname)
+    finally:
+        finder._finding = False
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return None
+    return spec
+
+
 class DeferringFinder(importlib.abc.MetaPathFinder):
     """Runs the code of each SAT module of :data:`DEFERRED` inside :func:`binding_names`."""
 
@@ -153,12 +166,8 @@ class DeferringFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in DEFERRED or self._finding or not wanted():
             return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the other finders' answer
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        spec = found_elsewhere(self, fullname)
+        if spec is None:
             return None
         run_module = spec.loader.exec_module
 

@@ -9,9 +9,10 @@ and calls ``callback()`` once the module's own code has run, before the importer
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import sys
 from typing import Callable
+
+from _sat_patches_deferred import found_elsewhere
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -25,12 +26,8 @@ class AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if not self.watches(fullname) or self._finding:
             return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the other finders' answer
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        spec = found_elsewhere(self, fullname)  # the other finders' answer
+        if spec is None:
             return None
         run_module = spec.loader.exec_module
 
