@@ -51,7 +51,10 @@ class Deferred:
     def _real(self):
         value = object.__getattribute__(self, "_value")
         if value is _UNSET:
-            value = importlib.import_module(object.__getattribute__(self, "_module"))
+            name = object.__getattribute__(self, "_module")
+            if isinstance(sys.modules.get(name), DeferredModule):  # used while the SAT module still runs its code
+                del sys.modules[name]
+            value = importlib.import_module(name)
             for kind, key in object.__getattribute__(self, "_steps"):
                 value = getattr(value, key) if kind == "attr" else value[key]
             object.__setattr__(self, "_value", value)

@@ -101,3 +101,24 @@ def test_libraries_sat_imports_but_a_fine_tune_never_uses_are_imported_at_first_
     assert rows["repr"] == "<deferred datasets.load_dataset>" and rows["same"] and rows["wandb"] == "wandb", rows
     assert rows["datasets_stock"] is True, rows
     assert {r["name"]: r for r in sat_patches.status()}["deferred_imports"]["status"] == "applied"
+
+
+def test_a_deferred_library_is_bound_as_placeholders_and_imported_at_first_use(monkeypatch):
+    """The placeholders of ``_sat_patches_deferred`` on a library of the standard library (``fractions``, taken out
+    of ``sys.modules`` for the test): names bound while the module's code runs import nothing; a value used while it
+    runs, or after, is the real one; nothing of the placeholder stays in ``sys.modules``."""
+    import _sat_patches_deferred as deferred
+    monkeypatch.delitem(sys.modules, "fractions", raising=False)
+    monkeypatch.setitem(deferred.DEFERRED, "a_sat_module", ("fractions",))
+    with deferred.binding_names("a_sat_module"):
+        import fractions
+        from fractions import Fraction
+        half = Fraction(1, 2)                      # used while the module's code runs: imported then
+        assert "fractions" in sys.modules and not isinstance(sys.modules["fractions"], deferred.DeferredModule)
+    assert half == 0.5 and repr(Fraction) == "<deferred fractions.Fraction>"
+    monkeypatch.delitem(sys.modules, "fractions")
+    with deferred.binding_names("a_sat_module"):
+        from fractions import Fraction as later
+        third = later  # bound, not used
+    assert "fractions" not in sys.modules and isinstance(fractions, deferred.DeferredModule)
+    assert third(1, 3) * 3 == 1 and "fractions" in sys.modules  # first use after the module's code: imported
