@@ -13,7 +13,7 @@ written in plain torch, so that ``import sat`` (and CogVLM's model code) work be
   (patch ``xformers_standin``) when xformers is not installed.
 
 Each does nothing when the real module is installed or ``SAT_PATCHES_DISABLE`` names its patch. The same hook
-defers three libraries SAT imports at ``import sat`` and a fine-tune never uses (``_sat_patches_deferred``).
+defers the libraries SAT imports at ``import sat`` and a fine-tune never uses (``_sat_patches_deferred``).
 """
 import importlib.abc
 import importlib.util

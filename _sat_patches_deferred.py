@@ -6,14 +6,13 @@ or in one process: ``wandb`` (``sat/training/deepspeed_training.py``; used with 
 (``sat/data_utils/hf_dataset.py``; used for ``hf://`` data), ``transformers.activations``
 (``sat/model/official/gpt2_model.py``, one activation of SAT's GPT-2) and ``requests``
 (``sat/resources/download.py``; SAT's model zoo). ``tensorboardX`` (``sat/training/utils.py``) stays as it is: rank 0
-of every training run writes summaries with it.
-Together about 4 s of every process's start-up on a CPU (each rank, each ``sat-patches`` verb that loads a model),
-and the GPT-2 activation pulls in ``torch.distributed.tensor`` through transformers. While each of those three SAT modules runs its own code, the
-library it imports is a :class:`DeferredModule` in ``sys.modules``: a name it binds (``import wandb``,
-``from datasets import load_dataset``, ``ACT2FN["gelu_new"]``) is a :class:`Deferred` that imports the real
-library at its first use (a call, an attribute, an item) and behaves as the real object from then on. Nothing else
-sees the placeholders: each leaves ``sys.modules`` when the SAT module's code is done, and a library already
-imported is used as it is. Off with ``SAT_PATCHES_DISABLE=deferred_imports``.
+of every training run writes summaries with it. Together about 4 s of every process's start-up on a CPU (each rank,
+each ``sat-patches`` verb that loads a model); the GPT-2 activation pulls in ``torch.distributed.tensor`` through
+transformers. While each of those SAT modules runs its own code, the library it imports is a
+:class:`DeferredModule` in ``sys.modules``: a name it binds (``import wandb``, ``from datasets import load_dataset``,
+``ACT2FN["gelu_new"]``) is a :class:`Deferred` that imports the real library at its first use (a call, an
+attribute, an item) and behaves as the real object from then on. Nothing else sees the placeholders: each leaves
+``sys.modules`` when the SAT module's code is done, and a library already imported is used as it is. Off with ``SAT_PATCHES_DISABLE=deferred_imports``.
 """
 import importlib
 import importlib.abc
@@ -42,11 +41,11 @@ class Deferred:
     first use imports the library and takes those steps; every use after that is the real value's."""
     __slots__ = ("_module", "_steps", "_value", "_binding")
 
-    def __init__(self, module, steps=(), binding=None):
+    def __init__(self, module, steps, binding):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_steps", tuple(steps))
         object.__setattr__(self, "_value", _UNSET)
-        object.__setattr__(self, "_binding", binding if binding is not None else [True])
+        object.__setattr__(self, "_binding", binding)  # [True] while the SAT module's code runs (shared)
 
     def _real(self):
         value = object.__getattribute__(self, "_value")
@@ -91,7 +90,8 @@ class Deferred:
         return len(self._real())
 
     def __repr__(self):
-        steps = "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in object.__getattribute__(self, "_steps"))
+        steps = "".join(f".{k}" if kind == "attr" else f"[{k!r}]"
+                        for kind, k in object.__getattribute__(self, "_steps"))
         return f"<deferred {object.__getattribute__(self, '_module')}{steps}>"
 
 
