@@ -12,7 +12,8 @@ transformers. While each of those SAT modules runs its own code, the library it 
 :class:`DeferredModule` in ``sys.modules``: a name it binds (``import wandb``, ``from datasets import load_dataset``,
 ``ACT2FN["gelu_new"]``) is a :class:`Deferred` that imports the real library at its first use (a call, an
 attribute, an item) and behaves as the real object from then on. Nothing else sees the placeholders: each leaves
-``sys.modules`` when the SAT module's code is done, and a library already imported is used as it is. Off with ``SAT_PATCHES_DISABLE=deferred_imports``.
+``sys.modules`` when the SAT module's code is done, and a library already imported is used as it is. Off with
+``SAT_PATCHES_DISABLE=deferred_imports``.
 """
 import importlib
 import importlib.abc
