@@ -86,6 +86,14 @@ def in_process(*args, checkout: str) -> None:
     assert code == 0, f"sat-patches {' '.join(args)} exited with {code}"
 
 
+class Failed(AssertionError):
+    """A command that exited with an error; ``output`` holds what it printed."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output
+
+
 def call(cmd, cwd, env=None, what="") -> str:
     """Run ``cmd``; when it fails, its output's last lines go to this part's output (the kit's log) and its last
     error line to the row."""
@@ -95,7 +103,7 @@ def call(cmd, cwd, env=None, what="") -> str:
         tail = output.splitlines()[-150:]
         print(f"---- {what or cmd[0]} exited with {done.returncode}; the last {len(tail)} lines of its output:",
               *tail, "----", sep="\n", flush=True)
-        raise AssertionError(f"{what or cmd[0]} exited with {done.returncode}: {last_error(output)}")
+        raise Failed(f"{what or cmd[0]} exited with {done.returncode}: {last_error(output)}", output)
     return output
 
 
@@ -206,24 +214,75 @@ def with_script(checkout: str, work: str) -> str:
     return copy
 
 
-def train(rec: Recorder, label: str, copy: str, work: str, tiny: bool, extra=None, expected="") -> dict:
+def train(rec: Recorder, label: str, copy: str, work: str, tiny: bool, extra=None, expected="", then="") -> dict:
     """One run of the script; the run directory it wrote its steps into (a resumed run: the run it continues)
-    and this run's steps, iteration -> (loss, model-parallel spread)."""
+    and this run's steps, iteration -> (loss, model-parallel spread). ``then`` names what the script does after its
+    last step (a row of its own): a failure there leaves the steps' row as the steps went."""
     before = {d: len(rows) for d, rows in curves(work, tiny).items()}
-    held = {}
+    last = int((extra or {}).get("TRAIN_ITERS", ITERS))
+    held, after = {}, None
     with rec.check(label, expected=expected) as row:
         start = time.perf_counter()
-        out = call(["bash", os.path.join(copy, "finetune_demo", SCRIPT)], cwd=work,
-                   env=script_env(work, tiny, extra or {}), what=SCRIPT)
+        try:
+            out = call(["bash", os.path.join(copy, "finetune_demo", SCRIPT)], cwd=work,
+                       env=script_env(work, tiny, extra or {}), what=SCRIPT)
+        except Failed as failed:
+            if not then:
+                raise
+            out, after = failed.output, failed
         grown = {d: rows[before.get(d, 0):] for d, rows in curves(work, tiny).items() if len(rows) > before.get(d, 0)}
         assert len(grown) == 1, (f"expected one run's steps under {saves_dir(work, tiny)}, found {sorted(grown)}; "
                                  f"the run's output ended: {out[-3000:]}")
         [(run_dir, steps)] = grown.items()
+        if after is not None and max(it for it, _, _ in steps) < last:
+            raise after  # it stopped before its last step: the steps failed
         held.update(run=run_dir, curve={it: (loss, spread) for it, loss, spread in steps})
         assert "SAT_PATCHES_SHARED_GPU=1" in out, "the ranks did not say they share the GPU"
         row.measured = f"{len(held['curve'])} steps in {time.perf_counter() - start:.0f} s"
         row.detail = "losses " + ", ".join(f"{it}: {loss:.4f}" for it, (loss, _) in sorted(held["curve"].items()))
+    if then:
+        with rec.check(then) as row:
+            if not held:
+                raise Skip("needs the run (row above)")
+            if after is not None:
+                raise after
+            row.measured = "ok"
     return held
+
+
+class HostMemory:
+    """The host's memory while a command runs, sampled from ``/proc/meminfo`` every second: the lowest
+    ``MemAvailable`` and the highest ``Shmem`` (``/dev/shm`` and other shared memory), bytes."""
+
+    def __init__(self):
+        import threading
+        self.lowest_available, self.highest_shared = float("inf"), 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def read() -> dict:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: float(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+
+    def _sample(self):
+        while True:
+            info = self.read()
+            self.lowest_available = min(self.lowest_available, info.get("MemAvailable", float("inf")))
+            self.highest_shared = max(self.highest_shared, info.get("Shmem", 0.0))
+            if self._stop.wait(1.0):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def __str__(self):
+        return f"host memory available at least {gb(self.lowest_available)}, shared memory at most {gb(self.highest_shared)}"
 
 
 def ranks_agree(rec: Recorder, held: dict) -> None:
@@ -416,15 +475,25 @@ def whole(rec: Recorder, tiny: bool, checkout, scratch: str) -> None:
     try:
         copy = with_script(os.path.abspath(checkout), work)
         if prepare_model(rec, copy, work, config):
-            # the demo saves its merged model (17B, bf16) under ./checkpoints: where the machine has room
-            room = "/dev/shm" if shutil.disk_usage(work).free < 40e9 and os.path.isdir("/dev/shm") else work
+            # the demo saves its merged model (17B, bf16) under ./checkpoints: where the machine has more room
+            room = max([work] + [d for d in ("/dev/shm",) if os.path.isdir(d)], key=lambda d: shutil.disk_usage(d).free)
+            print(f"[w] the demo's saves go to {room}: {gb(shutil.disk_usage(room).free)} free; "
+                  f"{gb(HostMemory.read().get('MemAvailable', 0))} of host memory available", flush=True)
             cwd = tempfile.mkdtemp(prefix="demo-", dir=room)
-            held = train(rec, f"{label}: {WHOLE_ITERS} steps", copy, cwd, False,
-                         extra={"TRAIN_ITERS": str(WHOLE_ITERS), "SAVE_INTERVAL": "100000",
-                                "MODEL_TYPE": os.path.join(work, "model"), "TOKENIZER": os.path.join(work, "tokenizer"),
-                                "TRAIN_DATA": os.path.join(work, "data", "train"),
-                                "VALID_DATA": os.path.join(work, "data", "valid"),
-                                "SAVE_DIR": os.path.join(cwd, "checkpoints")})
+            with HostMemory() as memory:
+                held = train(rec, f"{label}: {WHOLE_ITERS} steps", copy, cwd, False,
+                             then=f"the demo's own merged save after the steps (in {room})",
+                             # the demo trains more than LoRA (its whole-model saves are 35 GB): the run's own
+                             # end-of-training save holds what trains, beside the demo's merged save
+                             extra={"TRAIN_ITERS": str(WHOLE_ITERS), "SAVE_INTERVAL": "100000",
+                                    "SAVE_ADAPTER_ONLY": "1",
+                                    "MODEL_TYPE": os.path.join(work, "model"),
+                                    "TOKENIZER": os.path.join(work, "tokenizer"),
+                                    "TRAIN_DATA": os.path.join(work, "data", "train"),
+                                    "VALID_DATA": os.path.join(work, "data", "valid"),
+                                    "SAVE_DIR": os.path.join(cwd, "checkpoints")})
+            with rec.check("host memory while the demo ran (sampled every second)") as row:
+                row.measured = str(memory)
             ranks_agree(rec, held)
             peaks_beside_plan(rec, held, config, seq_len, f"{MODEL}, {seq_len} tokens")
             shutil.rmtree(cwd, ignore_errors=True)

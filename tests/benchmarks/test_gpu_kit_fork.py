@@ -59,6 +59,35 @@ def test_the_full_size_part_needs_cuda_and_a_card_holding_both_ranks(tmp_path, k
     assert proof_fork.model_config()["hidden_size"] == config["hidden_size"] == 4096
 
 
+@pytest.mark.parametrize("last_step", [2, 1])
+def test_a_failure_after_the_last_step_has_its_own_row(tmp_path, kit, monkeypatch, last_step):
+    """Part w's demo saves its merged model after its steps: a script that fails there leaves the steps' rows as
+    the steps went; one that fails before its last step fails the steps' row."""
+    proof_fork, proof_record = kit
+    run = tmp_path / "checkpoints" / "run-1"
+
+    def script_fails_after(cmd, cwd, env=None, what=""):
+        run.mkdir(parents=True)
+        (run / "latest").write_text(str(last_step))
+        rows = "".join(f"{it},{10 + it},0.0\n" for it in range(1, last_step + 1))
+        (run / "loss_curve.csv").write_text("iteration,loss,model_parallel_loss_spread\n" + rows)
+        raise proof_fork.Failed(f"{what} exited with 247", "SAT_PATCHES_SHARED_GPU=1\nSaving Model...\n")
+
+    monkeypatch.setattr(proof_fork, "call", script_fails_after)
+    rec = proof_record.Recorder("w")
+    with proof_fork.HostMemory() as memory:
+        held = proof_fork.train(rec, "2 steps", str(tmp_path), str(tmp_path), False, then="the merged save",
+                                extra={"TRAIN_ITERS": "2"})
+    steps, after = rec.rows
+    if last_step == 2:
+        assert steps.status == "ok" and sorted(held["curve"]) == [1, 2], steps
+        assert after.status == "FAIL" and "exited with 247" in after.detail, after
+    else:
+        assert steps.status == "FAIL" and "exited with 247" in steps.detail and held == {}, steps
+        assert after.status.startswith("skipped: needs the run"), after
+    assert 0 < memory.lowest_available < float("inf") and memory.highest_shared >= 0, str(memory)
+
+
 def test_the_kit_knows_the_parts_and_passes_the_checkout_on(kit):
     import proof
     assert {"u", "w"} <= set(proof.PARTS)
