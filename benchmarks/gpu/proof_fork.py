@@ -483,10 +483,7 @@ def whole(rec: Recorder, tiny: bool, checkout, scratch: str) -> None:
             with HostMemory() as memory:
                 held = train(rec, f"{label}: {WHOLE_ITERS} steps", copy, cwd, False,
                              then=f"the demo's own merged save after the steps (in {room})",
-                             # the demo trains more than LoRA (its whole-model saves are 35 GB): the run's own
-                             # end-of-training save holds what trains, beside the demo's merged save
                              extra={"TRAIN_ITERS": str(WHOLE_ITERS), "SAVE_INTERVAL": "100000",
-                                    "SAVE_ADAPTER_ONLY": "1",
                                     "MODEL_TYPE": os.path.join(work, "model"),
                                     "TOKENIZER": os.path.join(work, "tokenizer"),
                                     "TRAIN_DATA": os.path.join(work, "data", "train"),
