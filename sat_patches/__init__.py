@@ -22,7 +22,7 @@ from typing import Iterable, List
 
 import _sat_patches_boot  # noqa: F401  (without triton, ``import sat`` needs SAT's rotary module served)
 
-from .core import noise
+from .core import module_patches, noise
 from .core.after_import import AfterEachImport, AfterImport, initializing
 from .core import settings
 from .core.registry import REGISTRY, Patch, SatPatchesWarning  # noqa: F401
@@ -129,6 +129,8 @@ def stacks():
 
 if not ({noise.PATCH_NAME, "all"} & settings.read("SAT_PATCHES_DISABLE")):
     noise.install()  # before SAT imports bitsandbytes and DeepSpeed, which log at import
+if not ({module_patches.BITSANDBYTES_PATCH, "all"} & settings.read("SAT_PATCHES_DISABLE")):
+    module_patches.BITSANDBYTES_BEFORE_LORA.arm()  # before anything imports SAT's LoRA, our own modules included
 _own_imports = AfterEachImport(__name__, _after_own_import)  # where the patches wait for a module of ours
 _hook = AfterImport("sat", _apply_on_import)
 if "sat" not in sys.modules:

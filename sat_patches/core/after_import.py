@@ -4,7 +4,8 @@
 bitsandbytes: seconds of start-up that the command-line tools and the finetune scripts' pre-launch
 checks never need). So the patches go on at the moment SAT is imported: this finder sits in
 ``sys.meta_path`` until the named module is first imported, lets the normal finders locate it,
-and calls ``callback()`` once the module's own code has run, before the importer sees the module.
+and calls ``callback()`` once the module's own code has run, before the importer sees the module
+(:class:`BeforeImport`: just before that code runs).
 """
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ class AfterImport(importlib.abc.MetaPathFinder):
         spec = found_elsewhere(self, fullname)  # the other finders' answer
         if spec is None:
             return None
-        run_module = spec.loader.exec_module
+        spec.loader.exec_module = self._around(spec.loader.exec_module, fullname)
+        return spec
 
+    def _around(self, run_module, fullname: str):
+        """The loader's ``exec_module``, with this hook's call after the module's own code."""
         def exec_module(module):
             run_module(module)
             self.done(fullname)
-
-        spec.loader.exec_module = exec_module
-        return spec
+        return exec_module
 
     def done(self, fullname: str) -> None:
         self.remove()
@@ -68,6 +70,28 @@ class AfterEachImport(AfterImport):
         if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
         return self
+
+
+class BeforeImport(AfterImport):
+    """``callback()`` just before the module ``name``'s own code runs, at each import of it, until removed;
+    ``calls`` counts them."""
+    calls = 0
+
+    def _around(self, run_module, fullname: str):
+        def exec_module(module):
+            self.calls += 1
+            self.callback()
+            run_module(module)
+        return exec_module
+
+    def arm(self) -> "BeforeImport":
+        """Watch the module's next imports (one imported already has run its code: nothing to call)."""
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        return self
+
+    def is_armed(self) -> bool:
+        return self in sys.meta_path
 
 
 def initializing(package: str, but: str = "") -> list:

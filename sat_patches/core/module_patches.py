@@ -1,5 +1,5 @@
-"""Registry entries that replace no function: modules served from stand-ins, libraries imported when first used,
-and third-party log filters."""
+"""Registry entries that replace no function: modules served from stand-ins, libraries imported when first used or
+before a SAT module, and third-party log filters."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +9,19 @@ import _sat_patches_boot
 import _sat_patches_deferred
 
 from . import noise
+from .after_import import BeforeImport
 from .registry import MARKER, Patch
+
+BITSANDBYTES_PATCH = "bitsandbytes_compile_on_first_call"
+
+
+def _import_bitsandbytes_without_compiler() -> None:
+    from ..lora.bitsandbytes_import import import_bitsandbytes  # (SAT is imported: lora2 is one of its modules)
+    import_bitsandbytes()
+
+
+# armed at ``import sat_patches``: any module may import SAT's LoRA first, ours included while the patches wait
+BITSANDBYTES_BEFORE_LORA = BeforeImport("sat.model.finetune.lora2", _import_bitsandbytes_without_compiler)
 
 
 class ServedModulePatch(Patch):
@@ -96,4 +108,31 @@ class DeferredImportsPatch(Patch):
         if self.status == "applied":
             for finder in [f for f in sys.meta_path if isinstance(f, _sat_patches_deferred.DeferringFinder)]:
                 sys.meta_path.remove(finder)
+            self.status, self.reason = "restored", ""
+
+
+class BeforeImportPatch(Patch):
+    """A :class:`~sat_patches.core.after_import.BeforeImport` hook (``make``) armed at ``import sat_patches``, as a
+    registry entry: listed, disable-able (``SAT_PATCHES_DISABLE``, read at ``import sat_patches``), restorable."""
+
+    @property
+    def hook(self) -> BeforeImport:
+        return self.make
+
+    def current(self):
+        return self.hook.is_armed()
+
+    def is_applied(self) -> bool:
+        return self.current()
+
+    def apply(self, force: bool = False, aliases=None) -> None:  # (binds no function: no aliases to rebind)
+        self.hook.arm()
+        if self.hook.name in sys.modules and not self.hook.calls:
+            self.status, self.reason = "not needed", f"{self.hook.name} was imported before sat_patches"
+        else:
+            self.status, self.reason = "applied", ""
+
+    def restore(self) -> None:
+        self.hook.remove()
+        if self.status in ("applied", "not needed"):
             self.status, self.reason = "restored", ""

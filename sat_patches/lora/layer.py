@@ -25,10 +25,7 @@ from typing import List, Optional
 import torch
 from sat.helpers import print_rank0
 
-from .bitsandbytes_import import import_bitsandbytes
-
-import_bitsandbytes()  # before SAT's lora2 imports it: without torch's compiler until a kernel runs
-from sat.model.finetune import lora2  # noqa: E402
+from sat.model.finetune import lora2
 from sat.mpu import mappings
 from sat.mpu.initialize import get_model_parallel_world_size
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear

@@ -21,6 +21,10 @@ _FACTORIES = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.one
 
 _INTEGER_FACTORIES = frozenset({torch.randint})
 
+# in-place draws that leave a meta tensor as it was (it has no values; no generator advances) but that torch runs
+# through a Python reference which imports torch's compiler (``normal_``: 2-3 s of a process's start-up)
+_META_DRAWS = frozenset({torch.Tensor.normal_, torch.nn.init.normal_})
+
 
 @dataclass(frozen=True)
 class BuildTarget:
@@ -87,6 +91,10 @@ class _BuildMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _META_DRAWS:
+            drawn = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if getattr(drawn, "is_meta", False):
+                return drawn
         if func in _FACTORIES and not _called_by_collectives():
             if _is_cpu(kwargs.get("device")):
                 kwargs["device"] = self.target.device

@@ -143,6 +143,26 @@ def test_build_on_keeps_explicit_accelerator_devices_and_integer_dtypes():
     assert torch.empty(1).device.type == "cpu"  # outside: untouched
 
 
+def test_a_normal_draw_on_meta_is_skipped_and_a_real_one_is_not():
+    """torch runs ``normal_`` on a meta tensor through a Python reference that imports its compiler (seconds per
+    process): inside a construction the draw is skipped on meta, where it has no values to fill and advances no
+    generator; a draw on a real device is as before."""
+    from sat_patches.runtime import construction
+    torch.manual_seed(0)
+    with construction.build_on("meta"):
+        weight = torch.nn.Embedding(10, 4).weight  # reset_parameters: nn.init.normal_(weight)
+        same = weight.normal_(0, 0.02)
+    assert weight.is_meta and same is weight
+    after_meta = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_meta, torch.rand(3))  # no generator advanced on meta
+    torch.manual_seed(0)
+    with construction.build_on("cpu"):
+        real = torch.nn.Embedding(10, 4).weight
+    torch.manual_seed(0)
+    assert torch.equal(real, torch.nn.Embedding(10, 4).weight) and real.std() > 0
+
+
 @pytest.mark.gpu
 def test_every_parameter_on_the_gpu_in_run_dtype():
     """The same scenarios with the policy's real CUDA device (GPU-only)."""

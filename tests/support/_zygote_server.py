@@ -3,7 +3,8 @@ imported torch, SAT, DeepSpeed and bitsandbytes once, and forks a rank for each 
 
 Started as ``python -c <loader> <this file> <request fd> <reply fd>`` so that the ``sat_patches``
 package is *not* imported here (importing it applies the patches, which must happen in each rank
-according to that rank's environment). Standard library only, apart from the preloaded modules.
+according to that rank's environment). Standard library only, apart from the preloaded modules and
+bitsandbytes, imported as a rank of ours imports it (:func:`import_bitsandbytes_as_a_rank_does`).
 
 Protocol, on two private pipes (never fds 0/1/2, which the ranks inherit and replace): each message
 is a 4-byte big-endian length and a pickle.
@@ -139,8 +140,21 @@ def _child(request, fds) -> None:
         os._exit(code & 0xFF)
 
 
+def import_bitsandbytes_as_a_rank_does() -> None:
+    """bitsandbytes imported as sat_patches imports it in a rank (torch's compiler deferred to an NF4 kernel's first
+    call: seconds of every server start), by the path of sat_patches' module: the package is not imported here."""
+    import importlib.util
+    package = importlib.util.find_spec("sat_patches")
+    path = os.path.join(package.submodule_search_locations[0], "lora", "bitsandbytes_import.py")
+    spec = importlib.util.spec_from_file_location("_zygote_bitsandbytes_import", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.import_bitsandbytes()
+
+
 def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
     try:
+        import_bitsandbytes_as_a_rank_does()
         for name in preload:
             __import__(name)
         if "sat_patches" in sys.modules:
