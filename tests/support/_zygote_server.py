@@ -3,8 +3,7 @@ imported torch, SAT, DeepSpeed and bitsandbytes once, and forks a rank for each 
 
 Started as ``python -c <loader> <this file> <request fd> <reply fd>`` so that the ``sat_patches``
 package is *not* imported here (importing it applies the patches, which must happen in each rank
-according to that rank's environment). Standard library only, apart from the preloaded modules and
-bitsandbytes, imported as a rank of ours imports it (:func:`import_bitsandbytes_as_a_rank_does`).
+according to that rank's environment). Standard library only, apart from the preloaded modules.
 
 Protocol, on two private pipes (never fds 0/1/2, which the ranks inherit and replace): each message
 is a 4-byte big-endian length and a pickle.
@@ -31,7 +30,8 @@ import sys
 import traceback
 
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
-           "sat.model.finetune.lora2")  # SAT's LoRA module is what imports bitsandbytes
+           "sat.model.finetune.lora2",  # SAT's LoRA module is what imports bitsandbytes
+           "torch._dynamo")  # what activation checkpointing and torch.compile import in a rank (2-3 s): once, here
 # (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 POLL = 0.02  # seconds between reaps while ranks run
 
@@ -140,21 +140,8 @@ def _child(request, fds) -> None:
         os._exit(code & 0xFF)
 
 
-def import_bitsandbytes_as_a_rank_does() -> None:
-    """bitsandbytes imported as sat_patches imports it in a rank (torch's compiler deferred to an NF4 kernel's first
-    call: seconds of every server start), by the path of sat_patches' module: the package is not imported here."""
-    import importlib.util
-    package = importlib.util.find_spec("sat_patches")
-    path = os.path.join(package.submodule_search_locations[0], "lora", "bitsandbytes_import.py")
-    spec = importlib.util.spec_from_file_location("_zygote_bitsandbytes_import", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.import_bitsandbytes()
-
-
 def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
     try:
-        import_bitsandbytes_as_a_rank_does()
         for name in preload:
             __import__(name)
         if "sat_patches" in sys.modules:
