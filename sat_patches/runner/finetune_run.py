@@ -282,9 +282,18 @@ def hf_export_dir(work: str) -> str:
     return os.path.join(work, "hf")
 
 
+def prepared_for_resume(env: Dict[str, str]) -> bool:
+    """A resumed checkout CPU run (``RESUME``) whose ``WORK_DIR`` holds what the run it continues was prepared
+    with: the same model, tokenizer and data are used again (preparing writes the same files)."""
+    work = env["WORK_DIR"]
+    return bool(env.get("RESUME")) and os.path.isfile(os.path.join(work, "model", "latest")) and all(
+        os.path.isdir(os.path.join(work, *d)) for d in (("tokenizer",), ("data", "train"), ("data", "valid")))
+
+
 def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
-    """Prepare (tiny checkpoint from the checkout's classes, tokenizer, data), train with the checkout's
-    demo on CPU ranks (it merges and saves at the end), then check the shards and reload the merge."""
+    """Prepare (tiny checkpoint from the checkout's classes, tokenizer, data; not again for a resumed run that has
+    them), train with the checkout's demo on CPU ranks (it merges and saves at the end), then check the shards and
+    reload the merge."""
     work, py = env["WORK_DIR"], sys.executable
     checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
     save = os.path.join(work, "checkpoints")
@@ -293,8 +302,8 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
                  valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid"), save=save,
                  ds_config=run_config(env, "cpu_demo.json", save))
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
-    return [
-        [py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where],
+    prepare = [] if prepared_for_resume(env) else [[py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where]]
+    return prepare + [
         [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
          *train_options(env, **paths)],
@@ -330,6 +339,8 @@ def cpu_notes(env: Dict[str, str], environ: Dict[str, str], run_mode: str = "cpu
     notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: {generated} are used"
              for name in ("TRAIN_DATA", "VALID_DATA")]
     notes.append(f"TRAIN_ITERS={env['TRAIN_ITERS']}")
+    if run_mode == "checkout-cpu" and prepared_for_resume(env):
+        notes.append(f"RESUME: the model, tokenizer and data prepared in {env['WORK_DIR']} are used again")
     if environ.get("MAX_LENGTH", "").isdigit() and int(environ["MAX_LENGTH"]) > int(env["MAX_LENGTH"]):
         notes.append(f"MAX_LENGTH={environ['MAX_LENGTH']} is cut to {env['MAX_LENGTH']}: the tiny model has "
                      f"{env['MAX_LENGTH']} positions (a record longer than that is named, and refused or skipped by "

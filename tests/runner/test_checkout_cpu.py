@@ -146,6 +146,32 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
     assert not os.path.exists(work)  # a dry run makes nothing
 
 
+def test_a_resumed_checkout_cpu_run_uses_its_prepared_work_dir_again(tmp_path):
+    """RESUME continues a run in WORK_DIR: its model, tokenizer and data are used again rather than prepared anew;
+    a WORK_DIR without them is prepared as for a new run."""
+    checkout, script = checkout_with_script(tmp_path, "cogvlm")
+    work = tmp_path / "work"
+    run_dir = work / "checkpoints" / "finetune-tiny-cogvlm-1"
+    (run_dir / "2").mkdir(parents=True)
+    (run_dir / "latest").write_text("2")
+    settings = {"DRY_RUN": "1", "CPU_RANKS": "2", "WORK_DIR": str(work), "RESUME": str(run_dir)}
+
+    def step_lines():
+        out = run(script, settings, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout, [l for l in out.stdout.splitlines() if l.startswith("+ ") and "-m " in l]
+
+    said, lines = step_lines()
+    assert "checkout_cpu prepare" in lines[0] and "RESUME: the model" not in said
+    for d in ("model", "tokenizer", "data/train", "data/valid"):
+        (work / d).mkdir(parents=True)
+    (work / "model" / "latest").write_text("1")
+    said, lines = step_lines()
+    assert f"note: RESUME: the model, tokenizer and data prepared in {work} are used again" in said, said
+    assert "torch.distributed.run" in lines[0] and f"--mode pretrain --load {run_dir}" in lines[0], lines
+    assert not any("checkout_cpu prepare" in l for l in lines) and "checkout_cpu verify" in lines[-1]
+
+
 def test_checkout_cpu_run_refuses_an_mp_size_the_ranks_cannot_hold(tmp_path):
     _, script = checkout_with_script(tmp_path, "cogvlm")
     out = run(script, {"DRY_RUN": "1", "CPU_RANKS": "2", "MP_SIZE": "4"}, cwd=tmp_path)
