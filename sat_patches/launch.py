@@ -52,3 +52,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    from sat_patches.cli import exit_after_script  # the script returned: its rank exits without the teardown
+    exit_after_script()

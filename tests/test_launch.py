@@ -1,4 +1,5 @@
 """python -m sat_patches.launch applies the patches before the script, which runs as __main__."""
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,41 @@ def test_missing_script_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sat_patches.launch", str(tmp_path / "nope.py")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "no such script" in out.stderr
+
+
+EXITING = """
+import atexit, sys, threading, time
+log = open(sys.argv[1], "w")  # left open, its last line unflushed: the exit must flush it
+log.write("trained\\n")
+atexit.register(lambda: open(sys.argv[1] + ".handler", "w").write("closed"))  # as tensorboard's writer registers
+
+
+class Teardown:  # a module global's finaliser: runs in the interpreter's teardown only
+    def __del__(self):
+        sys.stdout.write("TEARDOWN\\n")
+
+
+teardown = Teardown()
+if sys.argv[2] == "writer-thread":  # a thread the script started that still writes after the script returned
+    def write_late():
+        time.sleep(0.5)
+        open(sys.argv[1] + ".late", "w").write("done")
+    threading.Thread(target=write_late).start()
+"""
+
+
+@pytest.mark.parametrize("case", ["quick", "quick-off", "writer-thread"])
+def test_a_returned_script_exits_without_the_teardown_losing_nothing(tmp_path, case):
+    """A rank whose script returned exits once its exit handlers ran and its open files are flushed, without the
+    interpreter's teardown (seconds after torch, SAT and a model); with SAT_PATCHES_QUICK_EXIT=0, or a thread the
+    script started still running, it exits as Python does."""
+    script, log = tmp_path / "train.py", tmp_path / "log.txt"
+    script.write_text(EXITING)
+    env = dict(os.environ, SAT_PATCHES_QUICK_EXIT="0" if case == "quick-off" else "1")
+    out = subprocess.run([sys.executable, "-m", "sat_patches.launch", str(script), str(log), case],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert log.read_text() == "trained\n" and (tmp_path / "log.txt.handler").read_text() == "closed"
+    assert ("TEARDOWN" in out.stdout) == (case != "quick"), out.stdout
+    if case == "writer-thread":
+        assert (tmp_path / "log.txt.late").read_text() == "done"
