@@ -137,6 +137,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
 )}
 
 
+TEST_HARNESS = ("SAT_PATCHES_TEST_FRESH", "SAT_PATCHES_IMPORT", "SAT_PATCHES_CWD")
+
+
 def read(name: str, environ: Optional[Mapping[str, str]] = None):
     """The value of setting ``name`` (from ``environ``, default ``os.environ``): its default when unset or
     empty, else the value its kind's parser reads (:class:`SettingError` when it cannot)."""

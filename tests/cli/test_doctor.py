@@ -166,3 +166,13 @@ def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
     data = json.loads(out.stdout)
     assert {c["name"] for c in data["checks"]} >= {"torch", "sat", "patches"}
     assert "Setting accelerator to CPU" in out.stderr  # DeepSpeed's line went to stderr, not into the JSON
+
+
+def test_the_test_harness_settings_take_one_line_unless_one_is_set():
+    from sat_patches.cli.doctor import format_settings
+    from sat_patches.core import settings
+    quiet = format_settings(settings.table({}))
+    assert "(the test harness's, at their defaults: SAT_PATCHES_TEST_FRESH, SAT_PATCHES_IMPORT, SAT_PATCHES_CWD)" in quiet
+    assert "SAT_PATCHES_QUICK_EXIT" in quiet and "  SAT_PATCHES_TEST_FRESH " not in quiet
+    fresh = format_settings(settings.table({"SAT_PATCHES_TEST_FRESH": "1"}))
+    assert "  SAT_PATCHES_TEST_FRESH " in fresh and "defaults: SAT_PATCHES_IMPORT, SAT_PATCHES_CWD)" in fresh
