@@ -16,6 +16,7 @@ import runpy
 import sys
 
 import sat_patches  # noqa: F401  (arms every patch not disabled: they go on when the script imports SAT)
+from sat_patches.cli import exit_after_script
 
 USAGE = "usage: python -m sat_patches.launch SCRIPT.py [ARGS...]  |  python -m sat_patches.launch -m MODULE [ARGS...]"
 
@@ -52,5 +53,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    from sat_patches.cli import exit_after_script  # the script returned: its rank exits without the teardown
-    exit_after_script()
+    exit_after_script()  # the script returned: its rank exits without the interpreter's teardown

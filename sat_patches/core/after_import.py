@@ -48,9 +48,17 @@ class AfterImport(importlib.abc.MetaPathFinder):
         """Call back now if the module is already imported, else once it is."""
         if self.name in sys.modules:
             self.callback()
-        elif self not in sys.meta_path:
+            return self
+        return self.watch()
+
+    def watch(self) -> "AfterImport":
+        """In ``sys.meta_path`` (once), watching the imports to come."""
+        if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
         return self
+
+    def is_armed(self) -> bool:
+        return self in sys.meta_path
 
     def remove(self) -> None:
         if self in sys.meta_path:
@@ -67,9 +75,7 @@ class AfterEachImport(AfterImport):
         self.callback(fullname)
 
     def arm(self) -> "AfterEachImport":
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-        return self
+        return self.watch()
 
 
 class BeforeImport(AfterImport):
@@ -86,12 +92,7 @@ class BeforeImport(AfterImport):
 
     def arm(self) -> "BeforeImport":
         """Watch the module's next imports (one imported already has run its code: nothing to call)."""
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-        return self
-
-    def is_armed(self) -> bool:
-        return self in sys.meta_path
+        return self.watch()
 
 
 def initializing(package: str, but: str = "") -> list:

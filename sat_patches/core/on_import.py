@@ -47,8 +47,7 @@ class OnImportPatch(Patch):
         """Watch every import of the module (a fresh import, e.g. in another checkout, is patched again)."""
         if self._hook is None:
             self._hook = AfterImport(self.module_name, lambda: self.apply(force=force))
-        if self._hook not in sys.meta_path:
-            sys.meta_path.insert(0, self._hook)
+        self._hook.watch()
 
     def _disarm(self) -> None:
         if self._hook is not None:
