@@ -71,3 +71,5 @@ def test_two_nodes_load_mp2_per_node(tmp_path):
 
 if __name__ == "__main__":
     worker(*sys.argv[1:3])
+    from sat_patches.cli import exit_after_script  # the exit the finetune scripts' ranks take (sat_patches.launch)
+    exit_after_script()
