@@ -45,18 +45,7 @@ def pytest_collection_finish(session):
     sys.path.insert(0, HERE)
 
 
-# The modules whose tests run the finetune scripts end to end (each 60-170 s on a 2-core machine), longest first:
-# collected first, xdist (--dist loadscope) starts them first, and the other modules fill the workers around them
-# instead of leaving one of them to run a long module last.
-LONGEST_FIRST = ("runner/test_finetune_scripts.py", "benchmarks/test_gpu_kit_fork.py", "runner/test_checkout_cpu.py",
-                 "runner/test_checkout_wheel.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        path = os.path.relpath(str(item.path), HERE).replace(os.sep, "/")
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-    items.sort(key=rank)  # stable: each module's tests keep their order
     import torch
     if torch.cuda.is_available():
         return

@@ -222,10 +222,3 @@ def test_the_package_folder_holds_only_modules_and_the_configs_it_ships():
             if not (name.endswith(".py") or (path.startswith("configs" + os.sep) and name.endswith(".json"))):
                 stray.append(path)
     assert stray == [], stray
-
-
-def test_the_modules_started_first_exist():
-    """tests/conftest.py's LONGEST_FIRST: a renamed module would silently fall back to collection order."""
-    import conftest
-    here = os.path.dirname(os.path.abspath(conftest.__file__))
-    assert all(os.path.isfile(os.path.join(here, m)) for m in conftest.LONGEST_FIRST), conftest.LONGEST_FIRST
