@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from proof_record import Recorder, Skip, cuda, device, gb
@@ -255,7 +256,6 @@ class HostMemory:
     ``MemAvailable`` and the highest ``Shmem`` (``/dev/shm`` and other shared memory), bytes."""
 
     def __init__(self):
-        import threading
         self.lowest_available, self.highest_shared = float("inf"), 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -282,7 +282,8 @@ class HostMemory:
         self._thread.join()
 
     def __str__(self):
-        return f"host memory available at least {gb(self.lowest_available)}, shared memory at most {gb(self.highest_shared)}"
+        return (f"host memory available at least {gb(self.lowest_available)}, shared memory at most "
+                f"{gb(self.highest_shared)}")
 
 
 def ranks_agree(rec: Recorder, held: dict) -> None:
@@ -476,7 +477,8 @@ def whole(rec: Recorder, tiny: bool, checkout, scratch: str) -> None:
         copy = with_script(os.path.abspath(checkout), work)
         if prepare_model(rec, copy, work, config):
             # the demo saves its merged model (17B, bf16) under ./checkpoints: where the machine has more room
-            room = max([work] + [d for d in ("/dev/shm",) if os.path.isdir(d)], key=lambda d: shutil.disk_usage(d).free)
+            room = max([work] + [d for d in ("/dev/shm",) if os.path.isdir(d)],
+                       key=lambda d: shutil.disk_usage(d).free)
             print(f"[w] the demo's saves go to {room}: {gb(shutil.disk_usage(room).free)} free; "
                   f"{gb(HostMemory.read().get('MemAvailable', 0))} of host memory available", flush=True)
             cwd = tempfile.mkdtemp(prefix="demo-", dir=room)
