@@ -1,5 +1,5 @@
 """DeepSpeed set-up: configs DeepSpeed 0.19 rejects, g++ builds it starts on CPU ranks, CUDA architecture lists
-its op builders cannot read."""
+its op builders cannot read, Muon's kernels compiled to check an optimizer that is not Muon."""
 from __future__ import annotations
 
 import functools
@@ -8,6 +8,7 @@ from ..core.registry import Patch, expect_names, expect_params
 from ..runtime import devices
 from ..runtime.cuda_arch import plain_arch_list
 from ..runtime.deepspeed_config import initialize_distributed_linted
+from ..runtime.zero_check import is_zero_supported_optimizer
 
 
 def _lint_before_deepspeed(original):
@@ -38,6 +39,14 @@ def _plain_arch_list(original):
     return compute_capability_args
 
 
+def _zero_check_without_muon(original):
+    """DeepSpeed 0.19 imports its Muon optimizer (torch.compile at import) to check any optimizer for ZeRO."""
+    @functools.wraps(original)
+    def is_zero_supported(optimizer):
+        return is_zero_supported_optimizer(original, optimizer)
+    return is_zero_supported
+
+
 PATCHES = [
     Patch("deepspeed_config_lint", "sat.arguments:initialize_distributed", _lint_before_deepspeed,
           answers="SAT's bundled configs: min_loss_scale 0.01 (DeepSpeed ValidationError); CPU FusedAdam build; "
@@ -53,4 +62,10 @@ PATCHES = [
                   "TORCH_CUDA_ARCH_LIST=9.0a (deepspeedai/DeepSpeed#7589)",
           verified_on="deepspeed 0.19.8",
           expect=expect_params("cross_compile_archs")),
+    Patch("deepspeed_zero_check_without_muon", "deepspeed.runtime.zero.utils:is_zero_supported_optimizer",
+          _zero_check_without_muon,
+          answers="deepspeed.initialize with ZeRO imports Muon's optimizer, whose kernels torch.compile wraps at import "
+                  "(torch's inductor, 1.3-3 s per rank), to check an Adam it already lists",
+          verified_on="deepspeed 0.19.8",
+          expect=expect_names("ZERO_SUPPORTED_OPTIMIZERS", "dist", "logger")),
 ]

@@ -1,4 +1,5 @@
-"""DeepSpeed config lint at launch: each case fixed with a warning or refused with a clear message."""
+"""DeepSpeed set-up at launch: config lint (each case fixed with a warning or refused with a clear message), the ZeRO
+optimizer check without Muon's compiled kernels."""
 import argparse
 import copy
 import json
@@ -9,6 +10,7 @@ import pytest
 import sat_patches
 from sat_patches.runtime.deepspeed_config import (DeepSpeedConfigError, initialize_distributed_linted,
                                                   lint_deepspeed_config)
+from sat_patches.testing.multirank import run_ranks
 
 # upstream THUDM/CogVLM finetune_demo/test_config_bf16.json (offload_optimizer at the top level)
 UPSTREAM_BF16 = {
@@ -168,3 +170,35 @@ def test_arch_lists_lose_only_their_variant_suffixes():
     from sat_patches.runtime.cuda_arch import without_variants
     assert without_variants("7.5;8.0;8.6+PTX;9.0a;10.0a+PTX;12.0f") == "7.5;8.0;8.6+PTX;9.0;10.0+PTX;12.0"
     assert without_variants("9.0 9.0a") == "9.0 9.0" and without_variants(None) is None and without_variants("") == ""
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def zero_checks():
+    """DeepSpeed's ZeRO check of an AdamW (every SAT run's optimizer on CPU ranks) and of an SGD (not listed):
+    whether Muon's module (torch.compile at its import) was imported before, after the AdamW, after the SGD."""
+    import sys
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime import engine
+    deepspeed.init_distributed(dist_backend="gloo")
+    params = [torch.nn.Parameter(torch.ones(2))]
+    seen = [MUON in sys.modules]
+    adam = engine.is_zero_supported_optimizer(torch.optim.AdamW(params))
+    seen.append(MUON in sys.modules)
+    sgd = engine.is_zero_supported_optimizer(torch.optim.SGD(params, lr=0.1))
+    seen.append(MUON in sys.modules)
+    return adam, sgd, seen
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "deepspeeds-own"])
+def test_zero_checks_an_optimizer_it_lists_without_importing_muons_compiled_kernels(patched):
+    """The same answers either way; only an optimizer DeepSpeed does not list goes on to its own check (and Muon's
+    module)."""
+    [r] = run_ranks(zero_checks, 1, patches=True if patched else ["deepspeed_zero_check_without_muon"], timeout=120)
+    assert r.ok, r.output[-3000:]
+    adam, sgd, seen = r.result
+    assert adam is True and sgd is False
+    assert seen == ([False, False, True] if patched else [False, True, True]), seen
