@@ -1,6 +1,7 @@
 """From a wheel, in an environment that shares nothing with this repository: the drop-in script in a
 (synthetic) CogVLM checkout names a DeepSpeed config that exists for a GPU run, and with CPU_RANKS=2
-runs the checkout's demo on two CPU ranks at MP=2, saves both shards and runs the demo's merge."""
+runs the checkout's CogAgent demo on two CPU ranks at MP=2 in the shared-GPU mode, saves both shards and runs the
+demo's merge."""
 import json
 import os
 import re
@@ -47,16 +48,16 @@ def wheel_env(tmp_path_factory):
     return python, env
 
 
-def _checkout(python, env, dest):
-    """The synthetic checkout (the suite's stand-in for a CogVLM fork) with only finetune_cogvlm.sh added,
-    written there by the installed package's ``sat-patches scripts``."""
+def _checkout(python, env, dest, script="finetune_cogvlm.sh"):
+    """The synthetic checkout (the suite's stand-in for a CogVLM fork) with only ``script`` added, written there by
+    the installed package's ``sat-patches scripts``."""
     write_fake_checkout(str(dest))
     scripts = dest.parent / "scripts"
     out = subprocess.run([python, "-m", "sat_patches", "scripts", str(scripts)], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    shutil.copy(scripts / "finetune_cogvlm.sh", dest / "finetune_demo")
-    return str(dest / "finetune_demo" / "finetune_cogvlm.sh")
+    shutil.copy(scripts / script, dest / "finetune_demo")
+    return str(dest / "finetune_demo" / script)
 
 
 @pytest.mark.slow
@@ -77,14 +78,22 @@ def test_wheel_in_a_checkout_names_an_existing_deepspeed_config_with_the_micro_b
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_wheel_in_a_checkout_trains_the_demo_on_two_cpu_ranks_and_merges(wheel_env, tmp_path):
-    """With one evaluation at the end: the demo's evaluation step uses its module-level tokenizer, which
-    exists only when the demo runs as ``__main__``. (The same run from this checkout's code would prove
-    nothing more: this one is the user's path.)"""
+def test_wheel_in_a_checkout_trains_cogagents_demo_on_two_cpu_ranks_with_every_collective_relayed(wheel_env, tmp_path):
+    """The user's path (this is the suite's one end-to-end run of a checkout's CogAgent demo): CogAgent's cross
+    encoder trains in its demo, two steps under DeepSpeed ZeRO-2 at MP=2, and one evaluation at the end (the
+    demo's evaluation step uses its module-level tokenizer, which exists only when the demo runs as ``__main__``).
+    The run also has SAT_PATCHES_SHARED_GPU=1, the debugging mode for several ranks on one GPU: on CPU ranks there
+    is no GPU to share, the run says so once, and every collective passes through the host relay's process group.
+    (CogVLM's checkout demo runs end to end in the GPU kit's tiny run, tests/benchmarks/test_gpu_kit_fork.py.)"""
     python, env = wheel_env
-    script = _checkout(python, env, tmp_path / "CogVLM")
-    run_env = dict(env, CPU_RANKS="2", EVAL_INTERVAL="4", EXTRA_ARGS="--eval-iters 1")
+    script = _checkout(python, env, tmp_path / "CogVLM", "finetune_cogagent.sh")
+    run_env = dict(env, CPU_RANKS="2", TRAIN_ITERS="2", EVAL_INTERVAL="2", EXTRA_ARGS="--eval-iters 1",
+                   SAT_PATCHES_SHARED_GPU="1")
     out = subprocess.run(["bash", script], capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=900)
     assert re.search(r"\+ \S*/venv/bin/python -m torch.distributed.run --nproc-per-node 2 ", out.stdout), out.stdout[-3000:]
-    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogvlm"), "cogvlm")
-    assert re.search(r"validation loss at iteration 4 \| loss: \S+ \| PPL: \S+ acc ", out.stdout + out.stderr)
+    assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogagent"), "cogagent",
+                                      iters=2)
+    assert re.search(r"validation loss at iteration 2 \| loss: \S+ \| PPL: \S+ acc ", out.stdout + out.stderr)
+    said = re.findall(r"^sat_patches: SAT_PATCHES_SHARED_GPU=1 \(process group backend '(\w+)'\): no GPU to share "
+                      r"on CPU ranks", out.stdout, re.M)
+    assert said == ["hostrelay"], out.stdout[-3000:]  # the training run's, once
