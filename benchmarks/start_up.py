@@ -11,7 +11,10 @@ wall time until the child has exited (``total``: the interpreter's teardown incl
 imports SAT's modules first and then sat_patches, which applies every patch at once: the time of that import is
 what sat_patches itself costs a process (``apply``: our modules' import and the patches going on). The start-up
 hook, which an installed sat_patches runs in every interpreter, defers libraries SAT imports and a fine-tune never
-uses (``deferred_imports``): the stock child runs with it off, the other two with it on.
+uses (``deferred_imports``): the stock child runs with it off, the other two with it on. Each child then imports
+what ``deepspeed.initialize`` with ZeRO imports in every run, DeepSpeed's Muon kernels (``zero``); a fourth child,
+patched but for ``deepspeed_muon_compile_on_first_call``, measures only that import (stock SAT has imported torch's
+compiler already, with bitsandbytes).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import json, sys, time
 start = time.perf_counter()
-if sys.argv[1] == "patched":
+if sys.argv[1] in ("patched", "muon-off"):
     import sat_patches
 import torch, deepspeed, sat, sat.training.deepspeed_training, sat.model.finetune.lora2
 ready = time.perf_counter() - start
@@ -38,12 +41,17 @@ if sys.argv[1] == "after":
     apply = time.perf_counter() - t
 if sys.argv[1] != "stock":
     assert sat_patches.is_patched("get_args_cpu_device")
-print(json.dumps({"ready": ready, "apply": apply}), flush=True)
+t = time.perf_counter()
+import deepspeed.runtime.zero.muon.muon_optimizer  # what deepspeed.initialize with ZeRO imports, Muon or not
+zero = time.perf_counter() - t
+print(json.dumps({"ready": ready, "apply": apply, "zero": zero}), flush=True)
 """
 
 
 def run(variant: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    if variant == "muon-off":
+        env["SAT_PATCHES_DISABLE"] = "deepspeed_muon_compile_on_first_call"
     if variant == "stock":  # SAT's own imports (the start-up hook still serves triton's stand-in: without triton,
         env["SAT_PATCHES_DISABLE"] = "deferred_imports"  # stock SAT cannot be imported on a CPU machine)
     start = time.perf_counter()
@@ -60,18 +68,22 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     rows = []
     for round_ in range(a.rounds):
-        order = ("stock", "patched", "after") if round_ % 2 == 0 else ("after", "patched", "stock")
+        order = ("stock", "patched", "after", "muon-off")
+        order = order if round_ % 2 == 0 else order[::-1]
         got = {variant: run(variant) for variant in order}
         rows.append(got)
         print(f"round {round_ + 1}: stock ready {got['stock']['ready']:.2f} s, total {got['stock']['total']:.2f} s | "
               f"patched ready {got['patched']['ready']:.2f} s, total {got['patched']['total']:.2f} s | "
               f"ratio {got['patched']['total'] / got['stock']['total']:.3f} | import sat_patches after SAT "
-              f"{got['after']['apply']:.2f} s", flush=True)
+              f"{got['after']['apply']:.2f} s | ZeRO's Muon import: patched {got['patched']['zero']:.2f} s, "
+              f"without deepspeed_muon_compile_on_first_call {got['muon-off']['zero']:.2f} s", flush=True)
     ratio = statistics.median(r["patched"]["total"] / r["stock"]["total"] for r in rows)
     stock = statistics.median(r["stock"]["total"] for r in rows)
     apply = statistics.median(r["after"]["apply"] for r in rows)
+    zero = {v: statistics.median(r[v]["zero"] for r in rows) for v in ("patched", "muon-off")}
     print(f"median: patched/stock total {ratio:.3f} (stock {stock:.2f} s); import sat_patches after SAT (our modules "
-          f"and every patch applied) {apply:.2f} s")
+          f"and every patch applied) {apply:.2f} s; ZeRO's Muon import patched {zero['patched']:.2f} s, without "
+          f"deepspeed_muon_compile_on_first_call {zero['muon-off']:.2f} s")
     return 0
 
 

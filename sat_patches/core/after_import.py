@@ -5,7 +5,7 @@ bitsandbytes: seconds of start-up that the command-line tools and the finetune s
 checks never need). So the patches go on at the moment SAT is imported: this finder sits in
 ``sys.meta_path`` until the named module is first imported, lets the normal finders locate it,
 and calls ``callback()`` once the module's own code has run, before the importer sees the module
-(:class:`BeforeImport`: just before that code runs).
+(:class:`BeforeImport`: just before that code runs; :class:`WhileImporting`: around it).
 """
 from __future__ import annotations
 
@@ -93,6 +93,18 @@ class BeforeImport(AfterImport):
     def arm(self) -> "BeforeImport":
         """Watch the module's next imports (one imported already has run its code: nothing to call)."""
         return self.watch()
+
+
+class WhileImporting(BeforeImport):
+    """The module ``name``'s own code runs inside ``callback()`` (a context manager), at each import of it, until
+    removed; ``calls`` counts them."""
+
+    def _around(self, run_module, fullname: str):
+        def exec_module(module):
+            self.calls += 1
+            with self.callback():
+                run_module(module)
+        return exec_module
 
 
 def initializing(package: str, but: str = "") -> list:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sat_patches.lora.bitsandbytes_import import compile_on_first_call
+from sat_patches.runtime.compiler import compile_on_first_call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
