@@ -31,7 +31,10 @@ import traceback
 
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
            "sat.model.finetune.lora2",  # SAT's LoRA module is what imports bitsandbytes
-           "torch._dynamo")  # what activation checkpointing and torch.compile import in a rank (2-3 s): once, here
+           "torch._dynamo")  # what activation checkpointing and torch.optim import in a rank (2-3 s): once, here
+# torch.compile deferred to a function's first call, loaded by its path (the sat_patches package stays unimported)
+COMPILER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "sat_patches", "runtime", "compiler.py")
 # (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 POLL = 0.02  # seconds between reaps while ranks run
 
@@ -140,8 +143,21 @@ def _child(request, fds) -> None:
         os._exit(code & 0xFF)
 
 
+def import_bitsandbytes_as_patched() -> None:
+    """bitsandbytes as a patched rank imports it, its kernels compiled at their first call (a plain import loads
+    torch's compiler for them: 2-3 s of every server's start, which a rank needs only for QLoRA's kernels)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_satp_zygote_compiler", COMPILER)
+    compiler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compiler)
+    with compiler.compiler_deferred():
+        import bitsandbytes  # noqa: F401
+
+
 def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
     try:
+        if "bitsandbytes" in preload or "sat.model.finetune.lora2" in preload:
+            import_bitsandbytes_as_patched()
         for name in preload:
             __import__(name)
         if "sat_patches" in sys.modules:
