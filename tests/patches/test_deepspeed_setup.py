@@ -185,7 +185,8 @@ def zero_check_imports_muon():
     return supported, original_muon.zeropower_via_newtonschulz5.__code__.co_name
 
 
-@pytest.mark.parametrize("patched", [True, False], ids=["patched", "deepspeeds-own"])
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["patched", "deepspeeds-own"])
 def test_zero_imports_muons_kernels_to_be_compiled_on_their_first_call(patched):
     """Patched, Muon's kernel is a wrapper that compiles on its first call (sat_patches.runtime.compiler, whose
     first-call compile is tested with bitsandbytes' kernels in test_lora_bitsandbytes_import.py); the import's cost
