@@ -112,8 +112,9 @@ class DeferredImportsPatch(Patch):
 
 
 class BeforeImportPatch(Patch):
-    """A :class:`~sat_patches.core.after_import.BeforeImport` hook (``make``) armed at ``import sat_patches``, as a
-    registry entry: listed, disable-able (``SAT_PATCHES_DISABLE``, read at ``import sat_patches``), restorable."""
+    """A :class:`~sat_patches.core.after_import.BeforeImport` hook (``make``; a ``WhileImporting`` one too) as a
+    registry entry: listed, disable-able (``SAT_PATCHES_DISABLE``), restorable; armed when applied (bitsandbytes'
+    earlier, at ``import sat_patches``, where ``SAT_PATCHES_DISABLE`` is read for it)."""
 
     @property
     def hook(self) -> BeforeImport:

@@ -63,8 +63,8 @@ PATCHES = [
     BeforeImportPatch(
         "deepspeed_muon_compile_on_first_call", f"sys.meta_path:WhileImporting({MUON_KERNELS})",
         MUON_COMPILED_ON_FIRST_CALL,
-        answers="DeepSpeed 0.19's ZeRO imports its Muon kernels in every run, Muon or not (the optimizer check, ZeRO-2's "
-                "gradient epilogue), and torch.compile wraps them at import: torch's compiler imported in each rank "
-                "(2-3.5 s of its start-up); compiled at a kernel's first call instead",
+        answers="DeepSpeed 0.19's ZeRO imports its Muon kernels in every run, Muon or not (the optimizer check, "
+                "ZeRO-2's gradient epilogue), and torch.compile wraps them at import: torch's compiler imported in "
+                "each rank (2-3.5 s of its start-up); compiled at a kernel's first call instead",
         verified_on="deepspeed 0.19.8"),
 ]
