@@ -58,14 +58,25 @@ if sys.argv[2] == "writer-thread":  # a thread the script started that still wri
         time.sleep(0.5)
         open(sys.argv[1] + ".late", "w").write("done")
     threading.Thread(target=write_late).start()
+if sys.argv[2] == "own-group":  # a process group the script made itself (not through SAT) and left up
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+    destroy = dist.destroy_process_group
+
+    def destroyed(*args, **kwargs):
+        open(sys.argv[1] + ".destroyed", "w").write("yes")
+        return destroy(*args, **kwargs)
+    dist.destroy_process_group = destroyed
 """
 
 
-@pytest.mark.parametrize("case", ["quick", "quick-off", "writer-thread"])
+@pytest.mark.parametrize("case", ["quick", "quick-off", "writer-thread",
+                                  pytest.param("own-group", marks=pytest.mark.slow)])
 def test_a_returned_script_exits_without_the_teardown_losing_nothing(tmp_path, case):
     """A rank whose script returned exits once its exit handlers ran and its open files are flushed, without the
     interpreter's teardown (seconds after torch, SAT and a model); with SAT_PATCHES_QUICK_EXIT=0, or a thread the
-    script started still running, it exits as Python does."""
+    script started still running, it exits as Python does. A process group the script left up is destroyed first
+    (left to the teardown, gloo's threads can abort the process)."""
     script, log = tmp_path / "train.py", tmp_path / "log.txt"
     script.write_text(EXITING)
     env = dict(os.environ, SAT_PATCHES_QUICK_EXIT="0" if case == "quick-off" else "1")
@@ -73,6 +84,7 @@ def test_a_returned_script_exits_without_the_teardown_losing_nothing(tmp_path, c
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert log.read_text() == "trained\n" and (tmp_path / "log.txt.handler").read_text() == "closed"
-    assert ("TEARDOWN" in out.stdout) == (case != "quick"), out.stdout
+    assert ("TEARDOWN" in out.stdout) == (case in ("quick-off", "writer-thread")), out.stdout
     if case == "writer-thread":
         assert (tmp_path / "log.txt.late").read_text() == "done"
+    assert (tmp_path / "log.txt.destroyed").exists() == (case == "own-group")

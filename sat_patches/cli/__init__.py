@@ -29,15 +29,16 @@ def exit_after_script() -> None:
     flushed (the interpreter's teardown can drop what a buffered file in a reference cycle holds, python/cpython#62052),
     the exit handlers run (the process group destroyed, tensorboard's and wandb's writers closed), then
     ``os._exit(0)`` without the teardown of torch, SAT and the model (about 1-2 s a rank on a 2-core machine). A
-    normal exit after the flush where it could matter: a thread other than daemons still running (a writer the script
-    started), or a process group still up after the handlers (its peers' teardown expects ours);
-    ``SAT_PATCHES_QUICK_EXIT=0`` always."""
+    group the script created itself, not through SAT (whose group the handlers destroy), is destroyed here too:
+    left to the teardown, gloo's threads can abort the process after the work is done (``terminate called without
+    an active exception``, pytorch/pytorch#190489). A normal exit after the flush where it could matter: a thread
+    other than daemons still running (a writer the script started); ``SAT_PATCHES_QUICK_EXIT=0`` always."""
     _flush_open_files()
     if not settings.read("SAT_PATCHES_QUICK_EXIT") or _other_threads():
         return
     atexit._run_exitfuncs()
     if _group_initialized():
-        return
+        sys.modules["torch.distributed"].destroy_process_group()
     _flush_open_files()  # (what the exit handlers wrote)
     _flush_and_exit(0)
 
