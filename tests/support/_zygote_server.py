@@ -21,6 +21,7 @@ The zygote stays single-threaded (a ``select`` loop on the request pipe, ``waitp
 while ranks live): forking a process with other threads would copy held locks into the child.
 """
 import gc
+import importlib.util
 import os
 import pickle
 import select
@@ -32,10 +33,10 @@ import traceback
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
            "sat.model.finetune.lora2",  # SAT's LoRA module is what imports bitsandbytes
            "torch._dynamo")  # what activation checkpointing and torch.optim import in a rank (2-3 s): once, here
+# (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 # torch.compile deferred to a function's first call, loaded by its path (the sat_patches package stays unimported)
 COMPILER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "sat_patches", "runtime", "compiler.py")
-# (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 POLL = 0.02  # seconds between reaps while ranks run
 
 
@@ -146,7 +147,6 @@ def _child(request, fds) -> None:
 def import_bitsandbytes_as_patched() -> None:
     """bitsandbytes as a patched rank imports it, its kernels compiled at their first call (a plain import loads
     torch's compiler for them: 2-3 s of every server's start, which a rank needs only for QLoRA's kernels)."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("_satp_zygote_compiler", COMPILER)
     compiler = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compiler)
