@@ -117,8 +117,11 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
         self.hidden_size_per_attention_head = divide(hidden_size, num_heads)
         self.num_attention_heads_per_partition = divide(num_heads, world_size)
         self.inner_hidden_size = num_heads * self.hidden_size_per_attention_head
-        # upstream: pos_idx_in_fp32=False (positions in the buffer's dtype, as the released weights saw)
-        self.rotary_emb = FastRotaryEmbedding(hidden_size // num_heads, pos_idx_in_fp32=False, device=place.device)
+        # upstream: pos_idx_in_fp32=False (positions in the buffer's dtype, as the released weights saw). inv_freq
+        # is computed on the CPU, as upstream computes it, then placed: on meta its arithmetic would run torch's
+        # Python reference kernels, whose first call imports torch._dynamo (1.5-2 s of a merge or an export)
+        self.rotary_emb = FastRotaryEmbedding(hidden_size // num_heads, pos_idx_in_fp32=False,
+                                              device="cpu").to(place.device)
         self.num_vision_layers = num_vision_layers
         self.num_layers = num_layers
         self.vision_layer_range = vision_layers(num_layers, num_vision_layers, vision_layer_range)

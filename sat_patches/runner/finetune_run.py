@@ -22,7 +22,6 @@ before launch, as on GPUs), and ``TRAIN_ITERS``; each setting a CPU run cannot h
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -268,7 +267,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
-        [py, "-m", "sat_patches.merge", "{checkpoint}", os.path.join(work, "merged")],
+        [py, "-m", "sat_patches.merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
@@ -367,13 +366,6 @@ def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:
             if env.get(name, "").endswith(".jsonl") and not reads_jsonl]
 
 
-def latest_checkpoint(save_dir: str) -> str:
-    runs = [d for d in glob.glob(os.path.join(save_dir, "*")) if os.path.isfile(os.path.join(d, "latest"))]
-    if not runs:
-        raise SystemExit(f"error: training wrote no checkpoint under {save_dir}")
-    return max(runs, key=os.path.getmtime)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -424,8 +416,6 @@ def main(argv=None) -> int:
             for cmd in group:
                 print(one_process.step_line(cmd), flush=True)
             continue
-        group = [[latest_checkpoint(os.path.join(env["WORK_DIR"], "checkpoints")) if c == "{checkpoint}" else c
-                  for c in cmd] for cmd in group]
         if len(group) > 1:  # one interpreter; it prints each step's line and, on a failure, which step failed
             code = subprocess.call(one_process.command(group), env=run_env, cwd=cwd)
             if code != 0:
@@ -445,15 +435,12 @@ def main(argv=None) -> int:
 
 
 def steps(commands: List[List[str]]) -> List[List[List[str]]]:
-    """``commands`` in the groups they run in: consecutive steps that :mod:`sat_patches.runner.one_process` can run
-    in one interpreter (the CPU demo's merge, verify and export) together, every other step alone."""
-    groups: List[List[List[str]]] = []
-    for cmd in commands:
-        if groups and one_process.verb_module(cmd) and one_process.verb_module(groups[-1][-1]):
-            groups[-1].append(cmd)
-        else:
-            groups.append([cmd])
-    return groups
+    """``commands`` in the groups they run in: a CPU run's steps (its preparation and its checks are verbs of
+    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, torchrun its child),
+    which imports torch and SAT once for them all; where no step is such a verb (a GPU run), each step alone."""
+    if len(commands) > 1 and any(one_process.verb_module(cmd) for cmd in commands):
+        return [list(commands)]
+    return [[cmd] for cmd in commands]
 
 
 def print_evaluations(save_dir: str) -> None:

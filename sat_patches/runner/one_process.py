@@ -1,28 +1,41 @@
-"""Several of the scripts' steps in one interpreter:
+"""A CPU run's steps from one interpreter:
 ``python -m sat_patches.runner.one_process '<JSON list of command lines>'``.
 
-The CPU demo ends with ``python -m sat_patches.merge``, ``python -m sat_patches.finetune verify`` and
-``python -m sat_patches.export hf``: one after the other, none in a distributed job. Each in a fresh interpreter
-would import torch, SAT, DeepSpeed and bitsandbytes again (seconds each, most of each step's time on a tiny
-model); here they share one interpreter. Each command line is printed (``+ ...``) before its verb runs, as the
-runner prints the steps it starts, and each line can be copied and run on its own with the same result: the
-verb's ``main`` runs with the command line's arguments, as ``python -m`` would run it.
+The CPU runs of the scripts prepare (``python -m sat_patches.finetune prepare`` or
+``python -m sat_patches.runner.checkout_cpu prepare``), train (torchrun), then check what training wrote
+(``python -m sat_patches.merge``, ``... finetune verify``, ``... export hf``, or ``... checkout_cpu verify``). Each
+step in a fresh interpreter would import torch, SAT, DeepSpeed and bitsandbytes again (seconds each, most of each
+step's time on a tiny model); here the steps that are verbs of ours run in this interpreter, one after the other,
+and every other step (torchrun) runs as a child process, with the environment this process started with. Each
+command line is printed (``+ ...``) before it runs, as the runner prints the steps it starts, and each line can be
+copied and run on its own with the same result: a verb's ``main`` runs with the command line's arguments, as
+``python -m`` would run it. An argument :func:`latest_run_under` wrote names the newest training run under a
+directory, found when its step starts (after training).
 
-A verb's non-zero status (or an exception, printed as a fresh interpreter prints it, status 1) stops the
-rest; the status is this process's.
+The verbs run here get their own ``MASTER_PORT`` (SAT's one-process group of model-only work holds its port while
+the child trains on the run's port). A step's non-zero status (or a verb's exception, printed as a fresh
+interpreter prints it, status 1) stops the rest; the status is this process's.
 """
 from __future__ import annotations
 
+import glob
 import importlib
 import json
+import os
+import re
 import shlex
+import subprocess
 import sys
 import traceback
-from typing import List, Sequence
+from typing import Dict, List, Sequence
+
+from ..core.ports import free_port
 
 # ``python -m MODULE`` -> the module whose ``main(argv)`` that command runs
 IN_PROCESS = {"sat_patches.merge": "sat_patches.cli.merge", "sat_patches.finetune": "sat_patches.cli.finetune",
-              "sat_patches.export": "sat_patches.cli.export"}
+              "sat_patches.export": "sat_patches.cli.export",
+              "sat_patches.runner.checkout_cpu": "sat_patches.runner.checkout_cpu"}
+_LATEST = re.compile(r"^\{the latest run under (.+)\}$")
 
 
 def verb_module(cmd: Sequence[str]) -> str:
@@ -40,10 +53,28 @@ def step_failed(cmd: Sequence[str], code: int) -> str:
     return f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ..."
 
 
+def latest_run_under(save_dir: str) -> str:
+    """An argument that stands for the newest training run (a directory with ``latest``) under ``save_dir``."""
+    return "{the latest run under %s}" % save_dir
+
+
+def latest_run(save_dir: str) -> str:
+    runs = [d for d in glob.glob(os.path.join(save_dir, "*")) if os.path.isfile(os.path.join(d, "latest"))]
+    if not runs:
+        raise SystemExit(f"error: training wrote no checkpoint under {save_dir}")
+    return max(runs, key=os.path.getmtime)
+
+
+def resolved(cmd: Sequence[str]) -> List[str]:
+    """``cmd`` with each :func:`latest_run_under` argument replaced by that run's directory."""
+    return [latest_run(m.group(1)) if m else arg for arg, m in ((a, _LATEST.match(a)) for a in cmd)]
+
+
 def command(commands: List[List[str]]) -> List[str]:
-    """The command line that runs ``commands`` (each one :func:`verb_module` accepts) in one interpreter."""
-    if not all(verb_module(cmd) for cmd in commands):
-        raise ValueError(f"not a verb this module runs: {commands}")
+    """The command line that runs ``commands`` from one interpreter (at least one a verb :func:`verb_module`
+    accepts: otherwise there is nothing to share)."""
+    if not any(verb_module(cmd) for cmd in commands):
+        raise ValueError(f"no verb this module runs: {commands}")
     return [sys.executable, "-m", "sat_patches.runner.one_process", json.dumps(commands)]
 
 
@@ -62,14 +93,35 @@ def run_one(cmd: Sequence[str]) -> int:
     return 1
 
 
+def run_child(cmd: Sequence[str], env: Dict[str, str]) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return subprocess.call(list(cmd), env=env)
+
+
+def own_master_port(children_port: str) -> None:
+    """A ``MASTER_PORT`` for the verbs run here other than the children's (their ranks' rendezvous)."""
+    port = str(free_port())
+    while port == children_port:
+        port = str(free_port())
+    os.environ["MASTER_PORT"] = port
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m sat_patches.runner.one_process '<JSON list of command lines>'", file=sys.stderr)
         return 2
+    children_env = dict(os.environ)  # as this process started: what the runner gave each step
+    own_master_port(children_env.get("MASTER_PORT", ""))
     for cmd in json.loads(argv[0]):
+        try:
+            cmd = resolved(cmd)
+        except SystemExit as exc:
+            print(exc, file=sys.stderr, flush=True)
+            return 1
         print(step_line(cmd), flush=True)
-        code = run_one(cmd)
+        code = run_one(cmd) if verb_module(cmd) else run_child(cmd, children_env)
         sys.stdout.flush()
         if code != 0:
             print(step_failed(cmd, code), file=sys.stderr, flush=True)

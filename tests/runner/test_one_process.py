@@ -1,23 +1,62 @@
-"""sat_patches.runner.one_process: the CPU demo's follow-up steps share one interpreter, each printed as the command
-line that runs it alone; a failing step stops the rest with its status. (The demo end to end, whose output these
-lines are part of, is tests/runner/test_finetune_scripts.py's.)"""
+"""sat_patches.runner.one_process: a CPU run's steps from one interpreter (its verbs in it, torchrun its child), each
+printed as the command line that runs it alone; a failing step stops the rest with its status. (The runs end to end,
+whose output these lines are part of, are tests/runner/test_finetune_scripts.py's and the checkout tests'.)"""
 import json
+import os
 import sys
+
+import pytest
 
 from sat_patches.runner import finetune_run, one_process
 
 
-def test_the_cpu_demo_runs_merge_verify_and_export_in_one_interpreter_and_every_other_step_alone():
+def test_a_cpu_run_has_one_interpreter_for_its_steps_and_a_gpu_run_runs_each_alone(tmp_path):
     env = dict(finetune_run.settings({"MODEL_KIND": "cogagent", "CPU_RANKS": "2"}), MASTER_PORT="1")
     commands = finetune_run.cpu_commands(env, "cogagent")
-    groups = finetune_run.steps(commands)
-    assert [[cmd[2] for cmd in group] for group in groups] == [
-        ["sat_patches.finetune"], ["torch.distributed.run"],
-        ["sat_patches.merge", "sat_patches.finetune", "sat_patches.export"]]
-    assert [cmd for group in groups for cmd in group] == commands  # in their order, none left out
-    assert groups[0][0][3] == "prepare" and groups[2][1][3] == "verify"
-    line = one_process.command(groups[2])
-    assert line[:3] == [sys.executable, "-m", "sat_patches.runner.one_process"] and json.loads(line[3]) == groups[2]
+    [group] = finetune_run.steps(commands)
+    assert group == commands and [cmd[2] for cmd in group] == [
+        "sat_patches.finetune", "torch.distributed.run", "sat_patches.merge", "sat_patches.finetune",
+        "sat_patches.export"]
+    assert group[0][3] == "prepare" and group[3][3] == "verify"
+    assert group[2][3] == one_process.latest_run_under(os.path.join(env["WORK_DIR"], "checkpoints"))
+    line = one_process.command(group)
+    assert line[:3] == [sys.executable, "-m", "sat_patches.runner.one_process"] and json.loads(line[3]) == group
+    checkout = tmp_path / "CogVLM" / "finetune_demo"
+    checkout.mkdir(parents=True)
+    env.update(SCRIPT_DIR=str(checkout), WORK_DIR=str(tmp_path / "work"))
+    [group] = finetune_run.steps(finetune_run.checkout_cpu_commands(env, "cogagent"))
+    assert [cmd[2] for cmd in group] == ["sat_patches.runner.checkout_cpu", "torch.distributed.run",
+                                         "sat_patches.runner.checkout_cpu"]
+    gpu = dict(finetune_run.settings({"MODEL_KIND": "cogvlm", "NUM_GPUS_PER_WORKER": "1"}), MASTER_PORT="1")
+    commands = finetune_run.gpu_commands(gpu, "cogvlm", checkout=False)
+    assert finetune_run.steps(commands) == [[cmd] for cmd in commands]
+    with pytest.raises(ValueError, match="no verb"):
+        one_process.command([[sys.executable, "-m", "torch.distributed.run"]])
+
+
+def test_a_child_step_has_the_runs_environment_and_the_verbs_their_own_port(tmp_path, monkeypatch, capsys):
+    """torchrun (a child) gets the environment the runner gave, its MASTER_PORT included; the verbs run here
+    another port (SAT's one-process group of ``prepare`` holds its port while the child trains). A merge's run
+    is the newest run under the save directory when the merge starts, after the child wrote it."""
+    from sat_patches.cli import merge
+    saves = tmp_path / "checkpoints"
+    child = ("import os, pathlib; run = pathlib.Path(r'%s') / 'run-2'; run.mkdir(parents=True); "
+             "(run / 'latest').write_text('1'); print('child port', os.environ['MASTER_PORT'])" % saves)
+    seen = {}
+
+    def merged(argv):
+        seen.update(run=argv[0], port=os.environ["MASTER_PORT"])
+        return 0
+    monkeypatch.setattr(merge, "main", merged)
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    (saves / "run-1").mkdir(parents=True)
+    (saves / "run-1" / "latest").write_text("1")
+    steps = [[sys.executable, "-c", child], [sys.executable, "-m", "sat_patches.merge",
+                                            one_process.latest_run_under(str(saves)), "out"]]
+    assert one_process.main([json.dumps(steps)]) == 0
+    out = capsys.readouterr().out
+    assert seen["run"] == str(saves / "run-2") and seen["port"] != "29511", seen
+    assert f"+ {sys.executable} -m sat_patches.merge {saves / 'run-2'} out" in out.splitlines()
 
 
 def test_each_step_is_printed_before_it_runs_and_a_failure_stops_the_rest(capsys):
@@ -46,6 +85,7 @@ def test_an_exception_in_a_step_is_printed_with_status_1(capsys, monkeypatch):
 
 def test_only_this_interpreters_python_m_verbs_share_it():
     assert one_process.verb_module([sys.executable, "-m", "sat_patches.export", "hf"]) == "sat_patches.cli.export"
-    for cmd in ([sys.executable, "-m", "torch.distributed.run"], ["/other/python", "-m", "sat_patches.merge"],
-                [sys.executable, "-m", "sat_patches.runner.checkout_cpu", "verify"]):
+    assert one_process.verb_module([sys.executable, "-m", "sat_patches.runner.checkout_cpu", "verify"]) == \
+        "sat_patches.runner.checkout_cpu"
+    for cmd in ([sys.executable, "-m", "torch.distributed.run"], ["/other/python", "-m", "sat_patches.merge"]):
         assert one_process.verb_module(cmd) == ""
