@@ -136,7 +136,9 @@ def gather(hostfile: str = "hostfile") -> Facts:
                            "driver": drivers[i] if i < len(drivers) else None})
     if v["bitsandbytes"]:
         try:
-            import bitsandbytes.cextension as cext  # optional on CPU machines; whether it loads is checked
+            from ..runtime.compiler import compiler_deferred
+            with compiler_deferred():  # torch's compiler is imported when a 4-bit kernel first runs, not here
+                import bitsandbytes.cextension as cext  # optional on CPU machines; whether it loads is checked
             cuda_library = getattr(cext, "CudaBNBNativeLibrary", None)   # bitsandbytes >= 0.44
             facts.bnb_cuda = bool((cuda_library and isinstance(getattr(cext, "lib", None), cuda_library))
                                   or getattr(cext, "COMPILED_WITH_CUDA", False))

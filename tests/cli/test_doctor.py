@@ -152,7 +152,8 @@ def test_doctor_on_this_machine_one_screen_json_and_exit_status(capsys, monkeypa
 
 @pytest.mark.slow
 def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
-    """A fresh process imports DeepSpeed (which logs to stdout) and bitsandbytes while it gathers."""
+    """A fresh process imports DeepSpeed (which logs to stdout) and bitsandbytes while it gathers, without torch's
+    compiler."""
     import os
     import subprocess
     import sys
@@ -161,11 +162,17 @@ def test_doctor_json_is_one_document_on_stdout_in_a_fresh_process(tmp_path):
                SAT_PATCHES_DISABLE="quiet_third_party",  # let DeepSpeed log its accelerator line at import,
                CUDA_VISIBLE_DEVICES="")  # which it logs only where it finds no GPU: none, on any machine
     env.pop("LOCAL_WORLD_SIZE", None)
-    out = subprocess.run([sys.executable, "-m", "sat_patches", "doctor", "--json"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
+    # as ``python -m sat_patches doctor --json``, then which of torch's compiler modules it imported
+    probe = ("import runpy, sys\nsys.argv = ['sat_patches', 'doctor', '--json']\ntry:\n"
+             "    runpy.run_module('sat_patches', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
+             "print('COMPILER', [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules], file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
     data = json.loads(out.stdout)
     assert {c["name"] for c in data["checks"]} >= {"torch", "sat", "patches"}
     assert "Setting accelerator to CPU" in out.stderr  # DeepSpeed's line went to stderr, not into the JSON
+    # bitsandbytes is imported with torch.compile deferred to a 4-bit kernel's first call (4 s of the command)
+    assert "COMPILER []" in out.stderr.splitlines(), out.stderr[-2000:]
 
 
 def test_the_test_harness_settings_take_one_line_unless_one_is_set():
