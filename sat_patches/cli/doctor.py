@@ -136,7 +136,7 @@ def gather(hostfile: str = "hostfile") -> Facts:
                            "driver": drivers[i] if i < len(drivers) else None})
     if v["bitsandbytes"]:
         try:
-            from ..runtime.compiler import compiler_deferred
+            from ..runtime.compiler import compiler_deferred  # (imports torch: the CLI starts without it)
             with compiler_deferred():  # torch's compiler is imported when a 4-bit kernel first runs, not here
                 import bitsandbytes.cextension as cext  # optional on CPU machines; whether it loads is checked
             cuda_library = getattr(cext, "CudaBNBNativeLibrary", None)   # bitsandbytes >= 0.44
