@@ -11,18 +11,29 @@ the memory of a real run). Storages that existed before the region (parameters, 
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.multiprocessing.reductions import StorageWeakRef
 
+_expired = torch.UntypedStorage._expired  # (a storage's address) -> whether it was freed
 
-def _storages(values):
-    for value in tree_flatten(values)[0]:
-        if isinstance(value, torch.Tensor):
-            yield StorageWeakRef(value.untyped_storage()), value.untyped_storage().nbytes()
+
+def tensors_in(value, found=None) -> List[torch.Tensor]:
+    """The tensors of an operation's arguments or results (tensors in nested tuples, lists and dicts), in order:
+    what ``torch.utils._pytree.tree_flatten`` finds among them, without its per-node bookkeeping (the counters run
+    it several times on every operation of a full-size step)."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            tensors_in(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            tensors_in(item, found)
+    return found
 
 
 class LiveBytes(TorchDispatchMode):
@@ -30,21 +41,24 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: Dict[StorageWeakRef, int] = {}
+        # a counted storage's address -> (a weak reference keeping the address its own, its bytes)
+        self.live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.current = self.peak = 0
 
     def _collect(self) -> None:
-        for ref in [r for r in self.live if r.expired()]:
-            self.current -= self.live.pop(ref)
+        for address in [a for a in self.live if _expired(a)]:
+            self.current -= self.live.pop(address)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {ref for ref, _ in _storages((args, kwargs))}
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         out = func(*args, **(kwargs or {}))
         self._collect()
-        for ref, size in _storages(out):
-            if ref not in inputs and ref not in self.live:
-                self.live[ref] = size
-                self.current += size
+        for t in tensors_in(out):
+            storage = t.untyped_storage()
+            address = storage._cdata
+            if address not in inputs and address not in self.live:
+                self.live[address] = (StorageWeakRef(storage), storage.nbytes())
+                self.current += self.live[address][1]
         self.peak = max(self.peak, self.current)
         return out
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from live_bytes import tensors_in
 
 SHADOW_LIMIT = 64 * 2 ** 20
 """Largest result (bytes) whose values are kept: far above any mask, far below any activation at full size."""
@@ -56,7 +58,7 @@ class MetaValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = tensors_in((args, kwargs))
         shadowed = bool(tensors) and all(self.shadow(t) is not None for t in tensors)
         if func is aten._local_scalar_dense.default and shadowed:
             return self.shadow(args[0]).item()
@@ -65,7 +67,7 @@ class MetaValues(TorchDispatchMode):
         if func in _INDEXING:  # the indexed tensor stays meta; the index takes its values
             args, kwargs = tree_map(lambda v: self._index_values(v), (args, kwargs))
         out = func(*args, **kwargs)
-        if shadowed and all(t.device.type == "meta" for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+        if shadowed and all(t.device.type == "meta" for t in tensors_in(out)):
             self._shadow_result(func, args, kwargs, out)
         return out
 
@@ -76,10 +78,10 @@ class MetaValues(TorchDispatchMode):
         return value
 
     def _shadow_result(self, func, args, kwargs, out) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = tensors_in(out)
         if not outs or sum(t.numel() * t.element_size() for t in outs) > SHADOW_LIMIT:
             return
         cpu_args, cpu_kwargs = tree_map(self._on_cpu, (args, kwargs))
-        cpu_outs = [t for t in tree_flatten(func(*cpu_args, **cpu_kwargs))[0] if isinstance(t, torch.Tensor)]
+        cpu_outs = tensors_in(func(*cpu_args, **cpu_kwargs))
         for meta_out, cpu_out in zip(outs, cpu_outs):
             self._shadows[meta_out] = cpu_out
