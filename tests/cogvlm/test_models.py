@@ -8,8 +8,6 @@ import sat_patches  # noqa: F401  (first: makes ``import sat`` work here)
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -262,6 +260,7 @@ def test_mixins_follow_requested_dtype_and_device():
 
 META_BUILD = """
 import sys
+assert "torch._dynamo" not in sys.modules, "this process imported torch's compiler before the build"
 import sat_patches, torch
 from sat.arguments import _simple_init
 from sat_patches.cogvlm import model_class_for, tiny_args
@@ -276,15 +275,14 @@ print("BUILT, torch._dynamo imported:", "torch._dynamo" in sys.modules)
 
 
 @pytest.mark.slow
-def test_a_model_built_on_meta_imports_no_compiler(tmp_path):
+def test_a_model_built_on_meta_imports_no_compiler():
     """``merge``, ``export`` and ``verify`` build the model on meta. Meta arithmetic runs in torch's Python
     reference kernels, whose first call imports torch._dynamo (1.5-2 s of such a verb on a CPU machine): the
     vision-expert attention computes its rotary ``inv_freq`` on the CPU, as upstream does, and places it."""
+    from zygote import run_before_sat
     from sat_patches.core.ports import free_port
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    out = subprocess.run([sys.executable, "-c", META_BUILD], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300)
+    out = run_before_sat(META_BUILD, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BUILT, torch._dynamo imported: False" in out.stdout, out.stdout[-2000:]
 
