@@ -57,8 +57,9 @@ class LiveBytes(TorchDispatchMode):
             storage = t.untyped_storage()
             address = storage._cdata
             if address not in inputs and address not in self.live:
-                self.live[address] = (StorageWeakRef(storage), storage.nbytes())
-                self.current += self.live[address][1]
+                size = storage.nbytes()
+                self.live[address] = (StorageWeakRef(storage), size)
+                self.current += size
         self.peak = max(self.peak, self.current)
         return out
 

@@ -10,6 +10,13 @@ import pytest
 from sat_patches.runner import finetune_run, one_process
 
 
+@pytest.fixture(autouse=True)
+def master_port_restored(monkeypatch):
+    """``main`` gives the verbs it runs their own ``MASTER_PORT`` in ``os.environ`` (its own process's, in a run;
+    this worker's here): put back after each test."""
+    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", "29500"))
+
+
 def test_a_cpu_run_has_one_interpreter_for_its_steps_and_a_gpu_run_runs_each_alone(tmp_path):
     env = dict(finetune_run.settings({"MODEL_KIND": "cogagent", "CPU_RANKS": "2"}), MASTER_PORT="1")
     commands = finetune_run.cpu_commands(env, "cogagent")
