@@ -44,6 +44,7 @@ from sat_patches.core import kinds
 from sat_patches.core.ports import free_port
 from sat_patches.cogvlm.trainer import lm_loss, model_inputs
 from sat_patches.checkpoints.merge import merge
+from sat_patches.runner.one_process import latest_run
 
 FORK_PATCHES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")  # sat_patches.patches.fork_models
 
@@ -177,17 +178,9 @@ def _expect_shards(what: str, directory: str, mp: int) -> None:
         raise SystemExit(f"error: {what} {directory} holds {got}, expected one shard per model-parallel rank: {want}")
 
 
-def training_checkpoint(workdir: str) -> str:
-    runs = [d for d in glob.glob(os.path.join(workdir, "checkpoints", "*"))
-            if os.path.isfile(os.path.join(d, "latest")) and not os.path.basename(d).startswith("merged_lora_")]
-    if not runs:
-        raise SystemExit(f"error: training wrote no checkpoint under {workdir}/checkpoints")
-    return max(runs, key=os.path.getmtime)
-
-
 @torch.no_grad()
 def verify(checkout: str, kind: str, workdir: str, mp: int, version: str = "base", max_length: int = 80) -> dict:
-    trained = training_checkpoint(workdir)
+    trained = latest_run(os.path.join(workdir, "checkpoints"))
     _expect_shards("the training checkpoint", trained, mp)
     merged = merged_dir(kind, workdir)
     _expect_shards("the demo's merged checkpoint", merged, mp)

@@ -59,7 +59,10 @@ def latest_run_under(save_dir: str) -> str:
 
 
 def latest_run(save_dir: str) -> str:
-    runs = [d for d in glob.glob(os.path.join(save_dir, "*")) if os.path.isfile(os.path.join(d, "latest"))]
+    """The newest training run under ``save_dir``: a directory with ``latest``, not the merged save upstream's
+    demos write beside their runs (``merged_lora_<kind>``)."""
+    runs = [d for d in glob.glob(os.path.join(save_dir, "*"))
+            if os.path.isfile(os.path.join(d, "latest")) and not os.path.basename(d).startswith("merged_lora_")]
     if not runs:
         raise SystemExit(f"error: training wrote no checkpoint under {save_dir}")
     return max(runs, key=os.path.getmtime)

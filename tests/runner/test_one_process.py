@@ -44,11 +44,14 @@ def test_a_cpu_run_has_one_interpreter_for_its_steps_and_a_gpu_run_runs_each_alo
 def test_a_child_step_has_the_runs_environment_and_the_verbs_their_own_port(tmp_path, monkeypatch, capsys):
     """torchrun (a child) gets the environment the runner gave, its MASTER_PORT included; the verbs run here
     another port (SAT's one-process group of ``prepare`` holds its port while the child trains). A merge's run
-    is the newest run under the save directory when the merge starts, after the child wrote it."""
+    is the newest run under the save directory when the merge starts, after the child wrote it (upstream's
+    demo's merged save beside it is not a run)."""
     from sat_patches.cli import merge
     saves = tmp_path / "checkpoints"
-    child = ("import os, pathlib; run = pathlib.Path(r'%s') / 'run-2'; run.mkdir(parents=True); "
-             "(run / 'latest').write_text('1'); print('child port', os.environ['MASTER_PORT'])" % saves)
+    child = ("import os, pathlib, time; saves = pathlib.Path(r'%s')\n"
+             "for name in ('run-2', 'merged_lora_cogvlm'):  # the demo's merged save comes last, and is no run\n"
+             "    (saves / name).mkdir(parents=True); (saves / name / 'latest').write_text('1'); time.sleep(0.05)\n"
+             "print('child port', os.environ['MASTER_PORT'])" % saves)
     seen = {}
 
     def merged(argv):
