@@ -128,13 +128,21 @@ def _base_env() -> dict:
     return e
 
 
-def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nnodes_local=None) -> dict:
+def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nodes: int = 1) -> dict:
+    """A rank's environment. ``nodes`` > 1: the ranks in consecutive blocks of ``nranks // nodes``, one per node,
+    with the node variables a ``torchrun --nnodes`` agent gives its workers (``GROUP_RANK``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ...)."""
+    if nodes < 1 or nranks % nodes:
+        raise ValueError(f"{nranks} ranks do not split evenly over {nodes} node(s)")
+    per_node = nranks // nodes
     e = _base_env()
     e.update({
-        "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % (nnodes_local or nranks)),
-        "LOCAL_WORLD_SIZE": str(nnodes_local or nranks), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if nodes > 1:
+        e.update({"GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes), "ROLE_NAME": "default",
+                  "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nranks)})
     e.update(_patch_env(patches))
     if env:
         e.update({k: str(v) for k, v in env.items()})
@@ -143,9 +151,10 @@ def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], n
 
 def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwargs: Optional[dict] = None,
               timeout: float = 120, patches: Any = True, env: Optional[dict] = None,
-              fresh: bool = False) -> List[RankResult]:
+              fresh: bool = False, nodes: int = 1) -> List[RankResult]:
     """Call ``fn(*args, **kwargs)`` on ``nranks`` processes; returns one :class:`RankResult` per rank.
-    ``fresh=True``: fresh processes, not forked from the fork server.
+    ``fresh=True``: fresh processes, not forked from the fork server. ``nodes``: the ranks laid out on that many
+    nodes as ``torchrun --nnodes`` lays them out (see :func:`_rank_env`), all on this machine.
 
     ``fn`` is a module-level function or ``"module:function"``. Its return value (picklable) is
     ``result``; an exception it raises is ``exception`` (formatted traceback) and exit code 1.
@@ -160,7 +169,7 @@ def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwarg
         for rank in range(nranks):
             result_file = os.path.join(workdir, f"result{rank}.pkl")
             cmds.append([sys.executable, "-m", "sat_patches.testing._rank_main", payload, result_file])
-            envs.append(_rank_env(rank, nranks, port, patches, env))
+            envs.append(_rank_env(rank, nranks, port, patches, env, nodes))
         results = _launch(cmds, envs, timeout, workdir, fresh=fresh)
         for r in results:
             path = os.path.join(workdir, f"result{r.rank}.pkl")
