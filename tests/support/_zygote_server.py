@@ -1,24 +1,29 @@
 """The fork server ("zygote") of zygote.py (tests/support): one long-lived process that has
 imported torch, SAT, DeepSpeed and bitsandbytes once, and forks a rank for each request.
 
-Started as ``python -c <loader> <this file> <request fd> <reply fd>`` so that the ``sat_patches``
-package is *not* imported here (importing it applies the patches, which must happen in each rank
-according to that rank's environment). Standard library only, apart from the preloaded modules.
+Started as ``python -c <loader> <this file> <address> [<preload>]`` so that the ``sat_patches`` package is
+*not* imported here (importing it applies the patches, which must happen in each rank according to that rank's
+environment). Standard library only, apart from the preloaded modules.
 
-Protocol, on two private pipes (never fds 0/1/2, which the ranks inherit and replace): each message
-is a 4-byte big-endian length and a pickle.
+One server serves every test process of a session that has the same import-time environment (the xdist workers):
+it listens on an abstract Unix socket (``\\0<address>``, no file; gone with the process), which it binds *before*
+its imports, so that of two servers started at once for one address the second stops at once (exit status
+:data:`LOST`) instead of importing everything a second time; clients see "connection refused" until the first
+listens.
 
-* zygote -> parent, once: ``("ready", pid, preloaded modules)`` or ``("failed", reason)``.
-* parent -> zygote: ``{"id", "cmd", "env", "cwd", "stdout", "stderr"}`` where ``cmd`` is
+Protocol, per connection: each message is a 4-byte big-endian length and a pickle.
+
+* server -> client, on connecting: ``("ready", pid, preloaded modules, the server's environment)``.
+* client -> server: ``{"id", "cmd", "env", "cwd", "stdout", "stderr"}`` where ``cmd`` is
   ``[python, "-m", module, *args]`` or ``[python, "-c", code, *args]``; the answer is ``("spawned", id, pid)`` or
-  ``("spawn_failed", id, reason)``, and later ``("exit", id, code)`` (by request id: pids get
-  reused) with ``code`` from
-  :func:`os.waitstatus_to_exitcode` (``-N`` for signal N, as :class:`subprocess.Popen` reports).
-* End of file on the request pipe: SIGKILL the process group of every rank still running, reap
-  them, exit.
+  ``("spawn_failed", id, reason)``, and later ``("exit", id, code)`` (by the client's request id: pids get
+  reused) with ``code`` from :func:`os.waitstatus_to_exitcode` (``-N`` for signal N, as :class:`subprocess.Popen`
+  reports).
+* End of file from a client: SIGKILL the process group of each of its ranks still running.
+* No client and no rank for :data:`GRACE` seconds: the server stops listening and exits.
 
-The zygote stays single-threaded (a ``select`` loop on the request pipe, ``waitpid(-1, WNOHANG)``
-while ranks live): forking a process with other threads would copy held locks into the child.
+The zygote stays single-threaded (a ``select`` loop over its sockets, ``waitpid(-1, WNOHANG)`` while ranks
+live): forking a process with other threads would copy held locks into the child.
 """
 import gc
 import importlib.util
@@ -26,8 +31,11 @@ import os
 import pickle
 import select
 import signal
+import socket
 import struct
 import sys
+import tempfile
+import time
 import traceback
 
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
@@ -38,6 +46,8 @@ PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
 COMPILER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "sat_patches", "runtime", "compiler.py")
 POLL = 0.02  # seconds between reaps while ranks run
+GRACE = 3.0  # seconds without a client or a rank before the server exits
+LOST = 3  # exit status of a server whose address another server holds already
 
 
 def _send(fd, message) -> None:
@@ -109,13 +119,13 @@ def _run_as_python(cmd) -> int:
     return code
 
 
-def _child(request, fds) -> None:
+def _child(request, sockets) -> None:
     """The forked rank. Never returns: ends with ``os._exit``."""
     code = 1
     try:
-        os.setsid()  # own process group: the parent kills the rank and its children with killpg
-        for fd in fds:
-            os.close(fd)
+        os.setsid()  # own process group: the client kills the rank and its children with killpg
+        for sock in sockets:
+            sock.close()
         null = os.open(os.devnull, os.O_RDONLY)
         out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -154,55 +164,94 @@ def import_bitsandbytes_as_patched() -> None:
         import bitsandbytes  # noqa: F401
 
 
-def serve(request_fd: int, reply_fd: int, preload=PRELOAD) -> None:
+def serve(address: str, preload=PRELOAD) -> int:
+    environment = dict(os.environ)  # as started: what clients compare their ranks' environments with
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if "bitsandbytes" in preload or "sat.model.finetune.lora2" in preload:
-            import_bitsandbytes_as_patched()
-        for name in preload:
-            __import__(name)
-        if "sat_patches" in sys.modules:
-            raise RuntimeError("the preload imported sat_patches; ranks would not start unpatched")
-        # the preloaded heap (torch, SAT, ...) moves to the collector's permanent generation: a forked rank's
-        # collections skip it instead of walking millions of objects each (and leave its pages shared)
-        gc.freeze()
-    except BaseException:
-        _send(reply_fd, ("failed", traceback.format_exc()))
-        return
-    _send(reply_fd, ("ready", os.getpid(), sorted(preload)))
-    live = {}  # pid -> request id
+        listener.bind("\0" + address)
+    except OSError:  # another server has this address: its clients are ours
+        return LOST
+    if "bitsandbytes" in preload or "sat.model.finetune.lora2" in preload:
+        import_bitsandbytes_as_patched()
+    for name in preload:
+        __import__(name)
+    if "sat_patches" in sys.modules:
+        raise RuntimeError("the preload imported sat_patches; ranks would not start unpatched")
+    # the preloaded heap (torch, SAT, ...) moves to the collector's permanent generation: a forked rank's
+    # collections skip it instead of walking millions of objects each (and leave its pages shared)
+    gc.freeze()
+    listener.listen(64)
+    ready = ("ready", os.getpid(), sorted(preload), environment)
+    clients = set()
+    live = {}  # pid -> (the client that asked for it, its request id)
     try:
-        _loop(request_fd, reply_fd, live)
-    except OSError:  # the parent closed the reply pipe: it is gone
+        _loop(listener, ready, clients, live)
+    finally:
+        listener.close()
+        for pid in live:  # leave no rank behind
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in live:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    try:  # the log its first client opened for it (zygote.ForkServer.log)
+        os.unlink(os.path.join(tempfile.gettempdir(), address + ".log"))
+    except OSError:
         pass
-    for pid in live:  # the parent went away: leave no rank behind
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for pid in live:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+    return 0
 
 
-def _loop(request_fd: int, reply_fd: int, live: dict) -> None:
+def _drop(client, clients: set, live: dict) -> None:
+    """A client went away: its ranks are killed (their exits are reaped and dropped)."""
+    clients.discard(client)
+    client.close()
+    for pid, (owner, _) in live.items():
+        if owner is client:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _tell(client, message, clients: set, live: dict) -> None:
+    if client in clients:
+        try:
+            _send(client.fileno(), message)
+        except OSError:
+            _drop(client, clients, live)
+
+
+def _loop(listener, ready, clients: set, live: dict) -> None:
+    alone_since = time.monotonic()
     while True:
-        readable, _, _ = select.select([request_fd], [], [], POLL if live else None)
-        if readable:
-            request = _receive(request_fd)
+        readable, _, _ = select.select([listener, *clients], [], [], POLL if live else GRACE)
+        for sock in readable:
+            if sock is listener:
+                client, _ = listener.accept()
+                clients.add(client)
+                _tell(client, ready, clients, live)
+                continue
+            try:
+                request = _receive(sock.fileno())
+            except OSError:
+                request = None
             if request is None:
-                return
+                _drop(sock, clients, live)
+                continue
             sys.stdout.flush(), sys.stderr.flush()  # nothing buffered may be copied into the child
             try:
                 pid = os.fork()
             except OSError as exc:
-                _send(reply_fd, ("spawn_failed", request["id"], repr(exc)))
+                _tell(sock, ("spawn_failed", request["id"], repr(exc)), clients, live)
                 continue
             if pid == 0:
-                _child(request, (request_fd, reply_fd))
-            live[pid] = request["id"]
-            _send(reply_fd, ("spawned", request["id"], pid))
+                _child(request, [listener, *clients])
+            live[pid] = (sock, request["id"])
+            _tell(sock, ("spawned", request["id"], pid), clients, live)
         while live:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -211,8 +260,13 @@ def _loop(request_fd: int, reply_fd: int, live: dict) -> None:
                 break
             if pid == 0:
                 break
-            _send(reply_fd, ("exit", live.pop(pid), os.waitstatus_to_exitcode(status)))
+            owner, request_id = live.pop(pid)
+            _tell(owner, ("exit", request_id, os.waitstatus_to_exitcode(status)), clients, live)
+        if clients or live:
+            alone_since = time.monotonic()
+        elif time.monotonic() - alone_since >= GRACE and not select.select([listener], [], [], 0)[0]:
+            return
 
 
-if __name__ == "__satp_zygote__":  # run by the loader in zygote.py: argv is [-c, this file, fds]
-    serve(int(sys.argv[2]), int(sys.argv[3]), *([sys.argv[4].split(",")] if len(sys.argv) > 4 else []))
+if __name__ == "__satp_zygote__":  # run by the loader in zygote.py: argv is [-c, this file, address, preload?]
+    sys.exit(serve(sys.argv[2], *([sys.argv[3].split(",")] if len(sys.argv) > 3 else [])))

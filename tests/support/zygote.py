@@ -3,7 +3,9 @@ already imported torch, SAT, DeepSpeed and bitsandbytes, instead of paying those
 in every fresh ``python -m sat_patches.testing._rank_main`` process.
 
 The server (``_zygote_server.py``) starts lazily, on the first launch that can use it, with the
-base environment every rank gets (:func:`multirank._base_env`), and stops at interpreter exit. It
+base environment every rank gets (:func:`multirank._base_env`). The test processes of one session (pytest-xdist's
+workers, whose import-time environments are the same) share one server for each preload: the first to need it
+starts it, the others connect to it (:func:`address`); it exits a few seconds after its last client. It
 does not import ``sat_patches``: each forked rank imports it itself, after its own environment is in
 place, so ``SAT_PATCHES_DISABLE`` and the rest apply per rank as in a fresh process. A forked rank
 runs the very command line a fresh one would (``python -m sat_patches.testing._rank_main ...``,
@@ -46,7 +48,9 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import hashlib
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -60,6 +64,7 @@ SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_serve
 LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
 FRESH_ENV = "SAT_PATCHES_TEST_FRESH"
 READY_TIMEOUT = 300.0   # the server's imports; a loaded 2-core machine takes 15 s
+LOST = 3  # _zygote_server.LOST: the exit status of a server that found another one at its address
 MAX_RESTARTS = 3
 IMPORT_TIME_PREFIXES = (
     "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES",
@@ -120,33 +125,83 @@ class ForkedRank:
         return self.returncode
 
 
+def address(env: Dict[str, str], preload: Optional[Sequence[str]] = None) -> str:
+    """The abstract socket name of the server for ``env`` and ``preload``: one per test session (the xdist
+    workers share ``PYTEST_XDIST_TESTRUNUID``; a run without workers has its own), interpreter, server code,
+    preload and import-time environment, so a client reaches only a server whose imports are what its ranks
+    need."""
+    session = env.get("PYTEST_XDIST_TESTRUNUID") or f"process-{os.getpid()}"
+    import_time = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES))
+    text = repr((session, sys.executable, SERVER, tuple(preload or ()), import_time))
+    return "satp-zygote-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _connect(name: str) -> Optional[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + name)
+    except (ConnectionRefusedError, FileNotFoundError):
+        sock.close()
+        return None
+    return sock
+
+
+def _unbound(name: str) -> bool:
+    """No server holds the address (one that lost it to another, which then died in its imports, leaves it free)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind("\0" + name)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 class ForkServer:
-    """Parent side of one server process: start, spawn, collect exit codes, stop."""
+    """Client side of one server: connect (starting the server when none listens), spawn, collect exit codes,
+    disconnect."""
 
     def __init__(self, env: Dict[str, str], preload: Optional[Sequence[str]] = None):
-        self.env = dict(env)
         self.exits: Dict[int, int] = {}  # request id -> exit code
         self.dead = False
         self._replies: Dict[int, object] = {}
         self._next_id = 0
         self._lock = threading.RLock()
         self._owner = os.getpid()
-        req_r, self._req_w = os.pipe()
-        self._rep_r, rep_w = os.pipe()
-        log_fd, self.log = tempfile.mkstemp(prefix="satp-zygote-", suffix=".log")
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", LOADER, SERVER, str(req_r), str(rep_w),
-                                          *([",".join(preload)] if preload else [])],
-                                         env=self.env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                         pass_fds=(req_r, rep_w), start_new_session=True)
-        finally:
-            os.close(req_r), os.close(rep_w), os.close(log_fd)
+        self.name = address(env, preload)
+        self.log = os.path.join(tempfile.gettempdir(), self.name + ".log")
+        self._sock = self._connect_or_start(env, preload)
+        self._fd = self._sock.fileno()
         message = self._read(READY_TIMEOUT)
         if not (isinstance(message, tuple) and message[0] == "ready"):
             self.close()
-            detail = message[1] if isinstance(message, tuple) and message[0] == "failed" else repr(message)
-            raise RuntimeError(f"fork server did not start: {detail}\n{self._log_tail()}")
-        self.preloaded = message[2]
+            raise RuntimeError(f"fork server did not answer: {message!r}\n{self._log_tail()}")
+        self.pid, self.preloaded, self.env = message[1], message[2], message[3]
+
+    def _connect_or_start(self, env: Dict[str, str], preload) -> socket.socket:
+        """A connection to the server at :attr:`name`, started here when none listens. Two clients may start one
+        at once: the second server finds the address taken and exits (:data:`LOST`), and both clients connect to
+        the first once it listens (after its imports)."""
+        started = None
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            sock = _connect(self.name)
+            if sock is not None:
+                return sock
+            ended = None if started is None else started.poll()
+            if started is None or (ended == LOST and _unbound(self.name)):
+                with open(self.log, "ab") as log:
+                    started = subprocess.Popen([sys.executable, "-c", LOADER, SERVER, self.name,
+                                                *([",".join(preload)] if preload else [])],
+                                               env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                               start_new_session=True)
+            elif ended not in (None, LOST):
+                raise RuntimeError(f"fork server did not start (exit {ended}):\n{self._log_tail()}")
+            time.sleep(0.05)
+        if started is not None and started.poll() is None:
+            started.kill()
+        raise RuntimeError(f"fork server did not listen within {READY_TIMEOUT:.0f} s:\n{self._log_tail()}")
 
     def _log_tail(self) -> str:
         try:
@@ -159,7 +214,7 @@ class ForkServer:
         """One message from the server; None on timeout; marks the server dead on end of file."""
         if self.dead:
             return None
-        readable, _, _ = select.select([self._rep_r], [], [], timeout)
+        readable, _, _ = select.select([self._fd], [], [], timeout)
         if not readable:
             return None
         head = self._read_exact(4)
@@ -172,7 +227,10 @@ class ForkServer:
     def _read_exact(self, n: int) -> Optional[bytes]:
         chunks = []
         while n:
-            chunk = os.read(self._rep_r, n)
+            try:
+                chunk = os.read(self._fd, n)
+            except OSError:  # the connection was reset: the server is gone
+                return None
             if not chunk:
                 return None
             chunks.append(chunk)
@@ -202,7 +260,7 @@ class ForkServer:
             data = struct.pack("!I", len(data)) + data
             try:
                 while data:
-                    data = data[os.write(self._req_w, data):]
+                    data = data[os.write(self._fd, data):]
             except OSError as exc:
                 self.dead = True
                 raise RuntimeError(f"the fork server is gone: {exc!r}") from exc
@@ -215,25 +273,12 @@ class ForkServer:
                 raise RuntimeError(f"the fork server could not fork: {reply[2]}")
             return ForkedRank(self, rid, reply[2], cmd)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """End of file on the request pipe: the server kills what still runs and exits."""
+    def close(self) -> None:
+        """Disconnect: the server kills what this client still runs, and exits when no client is left."""
         if os.getpid() != self._owner:
             return
         self.dead = True
-        for fd in (self._req_w, self._rep_r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        try:
-            os.unlink(self.log)
-        except OSError:
-            pass
+        self._sock.close()
 
 
 # What a server for code that must run before ``import sat`` preloads: SAT's heavy third-party

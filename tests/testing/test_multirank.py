@@ -157,3 +157,41 @@ def test_code_before_sat_runs_where_neither_sat_nor_sat_patches_is_imported(tmp_
     assert f"MODULES [False, False, {forked}] x1 {tmp_path} ['-c']" in out.stdout
     assert zygote.run_before_sat("import sat_patches, sat; print(sat_patches.is_patched('lora_linear'))"
                                  ).stdout.strip() == "True"
+
+
+def test_the_test_processes_of_a_session_share_one_server_each_told_of_its_own_ranks(tmp_path):
+    """Two clients (as two xdist workers of one session) reach one server; each hears of its own ranks' exits only,
+    a client's departure kills its ranks and not the other's, and the server exits after its last client. A second
+    server started for a taken address stops at once (``LOST``)."""
+    import subprocess
+    import time
+    env = dict(os.environ, PYTEST_XDIST_TESTRUNUID=f"shared-{os.getpid()}-{time.monotonic_ns()}")
+    preload = ("json",)  # a light server: this checks the sharing, not the imports
+    a, b = zygote.ForkServer(env, preload), zygote.ForkServer(env, preload)
+    try:
+        assert a.pid == b.pid and a.name == b.name == zygote.address(env, preload)
+        assert zygote.address(dict(env, OMP_NUM_THREADS="7"), preload) != a.name  # another import-time environment
+        lost = subprocess.run([sys.executable, "-c", zygote.LOADER, zygote.SERVER, a.name, "json"], env=env,
+                              timeout=60)
+        assert lost.returncode == zygote.LOST
+        out = str(tmp_path / "out")
+        quick = b.spawn([sys.executable, "-c", "raise SystemExit(4)"], env, out, out)
+        held = a.spawn([sys.executable, "-c", "import time; time.sleep(60)"], env, out, out)
+        assert quick.wait(30) == 4 and held.poll() is None and quick._id not in a.exits
+        a.close()  # its rank is killed; b's connection still serves
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(held.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the departed client's rank still runs")
+        assert b.spawn([sys.executable, "-c", "pass"], env, out, out).wait(30) == 0
+    finally:
+        a.close(), b.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not zygote._unbound(b.name):
+        time.sleep(0.1)
+    assert zygote._unbound(b.name)  # the server exited after its last client
