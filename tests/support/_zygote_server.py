@@ -50,6 +50,11 @@ GRACE = 3.0  # seconds without a client or a rank before the server exits
 LOST = 3  # exit status of a server whose address another server holds already
 
 
+def log_path(address: str) -> str:
+    """Where the server at ``address`` writes its output (its first client opens it; the server removes it)."""
+    return os.path.join(tempfile.gettempdir(), address + ".log")
+
+
 def _send(fd, message) -> None:
     data = pickle.dumps(message)
     data = struct.pack("!I", len(data)) + data
@@ -198,8 +203,8 @@ def serve(address: str, preload=PRELOAD) -> int:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-    try:  # the log its first client opened for it (zygote.ForkServer.log)
-        os.unlink(os.path.join(tempfile.gettempdir(), address + ".log"))
+    try:
+        os.unlink(log_path(address))
     except OSError:
         pass
     return 0

@@ -46,9 +46,9 @@ Python's ``random`` reseeds itself after a fork.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import pickle
-import hashlib
 import select
 import socket
 import struct
@@ -60,11 +60,12 @@ import time
 from typing import Dict, List, Optional, Sequence
 from sat_patches.core import settings
 
+from _zygote_server import LOST, log_path  # the server's own module: standard library only at import
+
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_server.py")
 LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
 FRESH_ENV = "SAT_PATCHES_TEST_FRESH"
 READY_TIMEOUT = 300.0   # the server's imports; a loaded 2-core machine takes 15 s
-LOST = 3  # _zygote_server.LOST: the exit status of a server that found another one at its address
 MAX_RESTARTS = 3
 IMPORT_TIME_PREFIXES = (
     "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "LD_", "MALLOC_", "GLIBC_TUNABLES",
@@ -170,7 +171,7 @@ class ForkServer:
         self._lock = threading.RLock()
         self._owner = os.getpid()
         self.name = address(env, preload)
-        self.log = os.path.join(tempfile.gettempdir(), self.name + ".log")
+        self.log = log_path(self.name)
         self._sock = self._connect_or_start(env, preload)
         self._fd = self._sock.fileno()
         message = self._read(READY_TIMEOUT)
