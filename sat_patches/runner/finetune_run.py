@@ -4,8 +4,8 @@ Four modes, chosen in this order:
 - checkout, CPU ranks (the script sits in a CogVLM checkout's ``finetune_demo/`` and ``CPU_RANKS`` is
   set): a smoke test of that checkout's own, unchanged demo before paying for GPUs. A tiny checkpoint
   built with the checkout's ``utils.models`` classes, a local tokenizer and CAPTCHA images are made
-  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (torchrun,
-  gloo) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
+  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (gloo; the
+  ranks forked by :mod:`sat_patches.runner.cpu_ranks`) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
   merged model as upstream's demo does; then the shards are checked and the merged model is reloaded;
 - checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
   options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
@@ -243,10 +243,11 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     return [deepspeed_command(env, program, train_options(env))]
 
 
-def torchrun() -> List[str]:
-    """torchrun of this interpreter: a ``torchrun`` on PATH may belong to another Python (and another
-    sat_patches) than the one running the script."""
-    return [sys.executable, "-m", "torch.distributed.run"]
+def cpu_ranks() -> List[str]:
+    """The launcher of CPU ranks (:mod:`sat_patches.runner.cpu_ranks`: torchrun's worker environment, each rank
+    forked after the imports every rank makes), run by this interpreter: the ranks get the Python (and the
+    sat_patches) that runs the script."""
+    return [sys.executable, "-m", "sat_patches.runner.cpu_ranks"]
 
 
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
@@ -265,7 +266,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     commands = [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
-        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*cpu_ranks(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches.merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
@@ -303,7 +304,7 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
     prepare = [] if prepared_for_resume(env) else [[py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where]]
     return prepare + [
-        [*torchrun(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*cpu_ranks(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
          *train_options(env, **paths)],
         [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
@@ -399,7 +400,8 @@ def main(argv=None) -> int:
         commands = checkout_cpu_commands(env, kind)
     else:
         commands = gpu_commands(env, kind, run_mode == "checkout")
-    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
+    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; the CPU ranks' launcher
+    # sets its own
     run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
     if on_cpu:
@@ -436,7 +438,7 @@ def main(argv=None) -> int:
 
 def steps(commands: List[List[str]]) -> List[List[List[str]]]:
     """``commands`` in the groups they run in: a CPU run's steps (its preparation and its checks are verbs of
-    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, torchrun its child),
+    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, the ranks' launcher its child),
     which imports torch and SAT once for them all; where no step is such a verb (a GPU run), each step alone."""
     if len(commands) > 1 and any(one_process.verb_module(cmd) for cmd in commands):
         return [list(commands)]

@@ -2,11 +2,11 @@
 ``python -m sat_patches.runner.one_process '<JSON list of command lines>'``.
 
 The CPU runs of the scripts prepare (``python -m sat_patches.finetune prepare`` or
-``python -m sat_patches.runner.checkout_cpu prepare``), train (torchrun), then check what training wrote
+``python -m sat_patches.runner.checkout_cpu prepare``), train (:mod:`sat_patches.runner.cpu_ranks`), then check what training wrote
 (``python -m sat_patches.merge``, ``... finetune verify``, ``... export hf``, or ``... checkout_cpu verify``). Each
 step in a fresh interpreter would import torch, SAT, DeepSpeed and bitsandbytes again (seconds each, most of each
 step's time on a tiny model); here the steps that are verbs of ours run in this interpreter, one after the other,
-and every other step (torchrun) runs as a child process, with the environment this process started with. Each
+and every other step (the ranks' launcher) runs as a child process, with the environment this process started with. Each
 command line is printed (``+ ...``) before it runs, as the runner prints the steps it starts, and each line can be
 copied and run on its own with the same result: a verb's ``main`` runs with the command line's arguments, as
 ``python -m`` would run it. An argument :func:`latest_run_under` wrote names the newest training run under a

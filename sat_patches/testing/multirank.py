@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import sat_patches
 
 from ..core.ports import free_port
+from ..core.rank_env import torchrun_variables
 
 # Stand-ins for what a GPU machine has (triton, a CUDA rotary kernel); kept in "stock" runs so that
 # stock SAT can be imported and run on CPU at all.
@@ -129,20 +130,10 @@ def _base_env() -> dict:
 
 
 def _rank_env(rank: int, nranks: int, port: int, patches, env: Optional[dict], nodes: int = 1) -> dict:
-    """A rank's environment. ``nodes`` > 1: the ranks in consecutive blocks of ``nranks // nodes``, one per node,
-    with the node variables a ``torchrun --nnodes`` agent gives its workers (``GROUP_RANK``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ...)."""
-    if nodes < 1 or nranks % nodes:
-        raise ValueError(f"{nranks} ranks do not split evenly over {nodes} node(s)")
-    per_node = nranks // nodes
+    """A rank's environment: torchrun's variables (:func:`torchrun_variables`; ``nodes`` > 1 as
+    ``torchrun --nnodes`` lays the ranks out), the patches it imports, then ``env``."""
     e = _base_env()
-    e.update({
-        "RANK": str(rank), "WORLD_SIZE": str(nranks), "LOCAL_RANK": str(rank % per_node),
-        "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
-    if nodes > 1:
-        e.update({"GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes), "ROLE_NAME": "default",
-                  "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nranks)})
+    e.update(torchrun_variables(rank, nranks, port, nodes))
     e.update(_patch_env(patches))
     if env:
         e.update({k: str(v) for k, v in env.items()})

@@ -22,7 +22,7 @@ def test_a_cpu_run_has_one_interpreter_for_its_steps_and_a_gpu_run_runs_each_alo
     commands = finetune_run.cpu_commands(env, "cogagent")
     [group] = finetune_run.steps(commands)
     assert group == commands and [cmd[2] for cmd in group] == [
-        "sat_patches.finetune", "torch.distributed.run", "sat_patches.merge", "sat_patches.finetune",
+        "sat_patches.finetune", "sat_patches.runner.cpu_ranks", "sat_patches.merge", "sat_patches.finetune",
         "sat_patches.export"]
     assert group[0][3] == "prepare" and group[3][3] == "verify"
     assert group[2][3] == one_process.latest_run_under(os.path.join(env["WORK_DIR"], "checkpoints"))
@@ -32,7 +32,7 @@ def test_a_cpu_run_has_one_interpreter_for_its_steps_and_a_gpu_run_runs_each_alo
     checkout.mkdir(parents=True)
     env.update(SCRIPT_DIR=str(checkout), WORK_DIR=str(tmp_path / "work"))
     [group] = finetune_run.steps(finetune_run.checkout_cpu_commands(env, "cogagent"))
-    assert [cmd[2] for cmd in group] == ["sat_patches.runner.checkout_cpu", "torch.distributed.run",
+    assert [cmd[2] for cmd in group] == ["sat_patches.runner.checkout_cpu", "sat_patches.runner.cpu_ranks",
                                          "sat_patches.runner.checkout_cpu"]
     gpu = dict(finetune_run.settings({"MODEL_KIND": "cogvlm", "NUM_GPUS_PER_WORKER": "1"}), MASTER_PORT="1")
     commands = finetune_run.gpu_commands(gpu, "cogvlm", checkout=False)
