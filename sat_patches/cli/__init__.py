@@ -43,6 +43,21 @@ def exit_after_script() -> None:
     _flush_and_exit(0)
 
 
+def exit_forked(code) -> None:
+    """End a process forked from another one's code (a rank of :mod:`sat_patches.runner.cpu_ranks`) as ``python``
+    ends, without returning into the code it was forked from: ``code`` as ``SystemExit`` gives it (a message:
+    printed, status 1), after the threads the script left running finished, the exit handlers ran and every open
+    file was flushed; the interpreter's teardown, which writes nothing, is skipped."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in _other_threads():
+        thread.join()
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    _flush_and_exit(code or 0)
+
+
 def _flush_open_files() -> None:
     # one subclass check per type, not an ``isinstance`` against the ABC per object: a rank after training
     # holds hundreds of thousands of objects (0.3-0.7 s a call with ``isinstance``)

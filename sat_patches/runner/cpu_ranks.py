@@ -7,7 +7,8 @@ transformers for the tokenizer, and torch's compiler, which ``torch.optim`` impo
 imported once, here, before any computation and while this process has no thread of its own; then each rank is
 forked with the variables torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...,
 ``MASTER_ADDR``/``MASTER_PORT``; ``OMP_NUM_THREADS=1`` unless set) and runs ``MODULE`` as ``__main__``, as
-``python -u -m MODULE ARGS`` would, its output unbuffered. Each rank then computes, builds its process group and
+``python -u -m MODULE ARGS`` would, its output unbuffered, and exits as that would (without the interpreter's
+teardown, which writes nothing). Each rank then computes, builds its process group and
 exits on its own. The imports cost 5-7 s of CPU per rank on a 2-core machine, about half of a tiny run's time.
 
 As torchrun: a rank that fails stops the others (``SIGTERM``, ``SIGKILL`` after :data:`GRACE` seconds) and the
@@ -29,6 +30,7 @@ import time
 import traceback
 from typing import Dict, List
 
+from ..cli import exit_forked, exit_now
 from ..core.rank_env import torchrun_variables
 
 # what a rank of the scripts imports before its first step, in the order a rank imports it
@@ -75,20 +77,34 @@ def _unbuffered() -> None:
         setattr(sys, name, io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True))
 
 
+def _threads_as_set() -> None:
+    """torch's thread pool as ``OMP_NUM_THREADS`` says, though torch was loaded before the rank's environment
+    was set (where the launcher was forked from a process that had imported it)."""
+    torch, threads = sys.modules.get("torch"), os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def _be_rank(module: str, args: List[str], variables: Dict[str, str]) -> None:
-    """(in the forked child) Run ``module`` as ``__main__``; the exit is the interpreter's, as after
-    ``python -m``: ``SystemExit`` propagates from here."""
+    """(in the forked child) Run ``module`` as ``__main__`` and exit as ``python -m`` would; never returns."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(variables)
+    _threads_as_set()
     _unbuffered()
     sys.argv = [module, *args]
+    code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except Exception:  # noqa: BLE001 (printed as an uncaught exception is; status 1, as python's)
+    except SystemExit as exc:
+        code = exc.code
+    except KeyboardInterrupt:
         traceback.print_exc()
-        raise SystemExit(1)
-    raise SystemExit(0)
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 (printed as an uncaught exception is; status 1, as python's)
+        traceback.print_exc()
+        code = 1
+    exit_forked(code)
 
 
 def describe(code: int) -> str:
@@ -150,10 +166,10 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _be_rank(opts.module, opts.args, variables)  # never returns: SystemExit ends the child
+            _be_rank(opts.module, opts.args, variables)  # never returns
         ranks[pid] = rank
     return supervise(ranks)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # without the teardown of what was preloaded

@@ -103,3 +103,41 @@ def test_the_command_line_needs_the_ranks_the_port_and_a_module(tmp_path):
                  ["--nproc-per-node", "2", "--master-port", "1", "-m"]):
         with pytest.raises(SystemExit):
             cpu_ranks.options(argv)
+
+
+# one_process with nothing preloaded: the standby launcher's place in a CPU run, in a fraction of a second
+STEPS = ("import sys; from sat_patches.runner import cpu_ranks, one_process; cpu_ranks.PRELOAD = (); "
+         "sys.exit(one_process.main(sys.argv[1:]))")
+
+
+def test_a_cpu_runs_ranks_are_forked_from_the_launcher_it_forked_before_its_steps(tmp_path):
+    """The ranks' parent is the launcher that one_process forked before its first step ran (not a fresh
+    interpreter: the ranks start from one_process's imports); what the first step wrote is there for them."""
+    import json
+    rank = ("import os, sys\n"
+            f"assert os.path.exists(r'{tmp_path / 'prepared'}')\n"
+            "parent = os.getppid()\n"
+            "grandparent = int(open(f'/proc/{parent}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+            "started_as = open(f'/proc/{parent}/cmdline', 'rb').read().split(b'\\0')[1].decode()\n"
+            "sys.stdout.write(f'RANK {os.environ[\"RANK\"]} launcher {parent} under {grandparent} as {started_as}\\n')\n")
+    cmd, env = launcher(tmp_path, rank, preload=True)  # the command line; one_process runs it with no preload
+    steps = [[sys.executable, "-c", f"open(r'{tmp_path / 'prepared'}', 'w').close()"], cmd]
+    proc = subprocess.Popen([sys.executable, "-c", STEPS, json.dumps(steps)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    said = sorted(l for l in out.splitlines() if l.startswith("RANK "))
+    assert [l.split()[:2] for l in said] == [["RANK", "0"], ["RANK", "1"]], out
+    [(launcher_pid, under, started_as)] = {(l.split()[3], l.split()[5], l.split()[7]) for l in said}
+    assert under == str(proc.pid) != launcher_pid, said
+    assert started_as == "-c", said  # a fork of one_process (python -c ...), not a python -m launcher of its own
+    assert f"+ {sys.executable} -m sat_patches.runner.cpu_ranks --nproc-per-node 2 " in out
+
+
+def test_an_unused_standby_launcher_ends_with_the_run(tmp_path):
+    import json
+    cmd, env = launcher(tmp_path, REPORT, preload=True)
+    steps = [[sys.executable, "-c", "raise SystemExit(4)"], cmd]
+    out = subprocess.run([sys.executable, "-c", STEPS, json.dumps(steps)], env=env, capture_output=True, text=True,
+                         timeout=60)  # a launcher left waiting would hold the output open past the timeout
+    assert out.returncode == 4 and "RANK-SAYS" not in out.stdout, out.stderr[-3000:]
