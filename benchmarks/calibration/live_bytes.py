@@ -52,14 +52,19 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         out = func(*args, **(kwargs or {}))
-        self._collect()
+        new = {}
         for t in tensors_in(out):
             storage = t.untyped_storage()
             address = storage._cdata
             if address not in inputs and address not in self.live:
-                size = storage.nbytes()
-                self.live[address] = (StorageWeakRef(storage), size)
-                self.current += size
+                new[address] = storage
+        if not new:  # nothing allocated: the peak cannot rise (what was freed is counted at the next allocation)
+            return out
+        self._collect()
+        for address, storage in new.items():
+            size = storage.nbytes()
+            self.live[address] = (StorageWeakRef(storage), size)
+            self.current += size
         self.peak = max(self.peak, self.current)
         return out
 

@@ -35,6 +35,7 @@ def test_sat_parameter_sync_fails_on_a_cuda_only_group_and_names_the_tensor():
         assert "Syncing initialized parameters" in r.output and re.search(r"tensor '[\w.]+' is on cpu", r.output)
 
 
+@pytest.mark.slow  # a whole training run on two ranks; the fast tier keeps the stock run's failure above
 @pytest.mark.multirank
 def test_with_sat_patches_the_same_run_trains():
     results = run_script(SCRIPT, nranks=2, timeout=240)

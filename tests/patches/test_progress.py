@@ -63,6 +63,7 @@ def report_on_a_model_parallel_rank(save, steps):
 STEPS = [(3, (4.25, 4.25)), (4, (4.25, 3.5))]  # equal, then different
 
 
+@pytest.mark.slow  # two training runs on two ranks; the fast tier keeps the progress line's own tests
 @pytest.mark.multirank
 def test_the_model_parallel_ranks_losses_are_compared_and_a_difference_is_said(tmp_path):
     """The ranks of a model-parallel group compute one loss; a difference (different batches or weights within the
