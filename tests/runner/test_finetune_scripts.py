@@ -56,11 +56,27 @@ def run(script, env=None, cwd=None, timeout=300):
          "micro-batch",
          "ds-config", "qlora-mp2", "qlora-word", "evaluate-word", "adapter-word", "shared-gpu-card-each",
          "shared-gpu-word"])
-def test_script_refuses_bad_settings_with_the_fix(tmp_path, env, message):
-    out = run(SCRIPTS["cogvlm"], dict(env, DRY_RUN="1"), cwd=tmp_path)
+def test_script_refuses_bad_settings_with_the_fix(tmp_path, monkeypatch, capsys, env, message):
+    """The runner the script execs (``python -m sat_patches.runner.finetune_run``, with the script's
+    ``MODEL_KIND`` and ``SCRIPT_DIR``), called here: the script itself runs in the tests below and in
+    :func:`test_the_script_itself_refuses_with_status_2_before_launching`."""
+    from sat_patches.runner import finetune_run
+    for name in ("LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(env, DRY_RUN="1", MODEL_KIND="cogvlm",
+                            SCRIPT_DIR=os.path.dirname(SCRIPTS["cogvlm"])).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert finetune_run.main([]) == 2
+    out, err = capsys.readouterr()
+    assert message in err, err
+    assert "+ " not in out  # nothing launched
+
+
+def test_the_script_itself_refuses_with_status_2_before_launching(tmp_path):
+    out = run(SCRIPTS["cogvlm"], {"MP_SIZE": "3", "DRY_RUN": "1"}, cwd=tmp_path)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert message in out.stderr
-    assert "+ " not in out.stdout  # nothing launched
+    assert "MP_SIZE=3 does not divide the world size 2" in out.stderr and "+ " not in out.stdout
 
 
 def test_resume_settings_continue_a_saved_run_from_the_chosen_iteration(tmp_path):
