@@ -5,8 +5,9 @@ Four modes, chosen in this order:
   set): a smoke test of that checkout's own, unchanged demo before paying for GPUs. A tiny checkpoint
   built with the checkout's ``utils.models`` classes, a local tokenizer and CAPTCHA images are made
   under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (gloo; the
-  ranks forked by :mod:`sat_patches.runner.cpu_ranks`) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
-  merged model as upstream's demo does; then the shards are checked and the merged model is reloaded;
+  ranks forked by :mod:`sat_patches.runner.cpu_ranks`) through ``sat_patches.launch``, saves every
+  model-parallel shard, merges its LoRA and saves the merged model as upstream's demo does; then the
+  shards are checked and the merged model is reloaded;
 - checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
   options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
 - GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
@@ -438,8 +439,9 @@ def main(argv=None) -> int:
 
 def steps(commands: List[List[str]]) -> List[List[List[str]]]:
     """``commands`` in the groups they run in: a CPU run's steps (its preparation and its checks are verbs of
-    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, the ranks' launcher its child),
-    which imports torch and SAT once for them all; where no step is such a verb (a GPU run), each step alone."""
+    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, the ranks' launcher
+    its child), which imports torch and SAT once for them all; where no step is such a verb (a GPU run), each
+    step alone."""
     if len(commands) > 1 and any(one_process.verb_module(cmd) for cmd in commands):
         return [list(commands)]
     return [[cmd] for cmd in commands]

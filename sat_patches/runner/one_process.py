@@ -7,10 +7,10 @@ check what training wrote (``python -m sat_patches.merge``, ``... finetune verif
 ``... checkout_cpu verify``). Each step in a fresh interpreter would import torch, SAT, DeepSpeed and bitsandbytes
 again (seconds each, most of each step's time on a tiny model); here the steps that are verbs of ours run in this
 interpreter, one after the other, and every other step runs as a child process, with the environment this process
-started with. Each command line is printed (``+ ...``) before it runs, as the runner prints the steps it starts, and each line can be
-copied and run on its own with the same result: a verb's ``main`` runs with the command line's arguments, as
-``python -m`` would run it. An argument :func:`latest_run_under` wrote names the newest training run under a
-directory, found when its step starts (after training).
+started with. Each command line is printed (``+ ...``) before it runs, as the runner prints the steps it starts,
+and each line can be copied and run on its own with the same result: a verb's ``main`` runs with the command
+line's arguments, as ``python -m`` would run it. An argument :func:`latest_run_under` wrote names the newest
+training run under a directory, found when its step starts (after training).
 
 The ranks' launcher (:mod:`sat_patches.runner.cpu_ranks`) is forked from this process before the verbs run
 (:class:`StandbyLauncher`), after the imports that the verbs and every rank make: a CPU run imports torch, SAT,

@@ -119,7 +119,8 @@ def test_a_cpu_runs_ranks_are_forked_from_the_launcher_it_forked_before_its_step
             "parent = os.getppid()\n"
             "grandparent = int(open(f'/proc/{parent}/stat').read().rsplit(')', 1)[1].split()[1])\n"
             "started_as = open(f'/proc/{parent}/cmdline', 'rb').read().split(b'\\0')[1].decode()\n"
-            "sys.stdout.write(f'RANK {os.environ[\"RANK\"]} launcher {parent} under {grandparent} as {started_as}\\n')\n")
+            "rank = os.environ['RANK']\n"
+            "sys.stdout.write(f'RANK {rank} launcher {parent} under {grandparent} as {started_as}\\n')\n")
     cmd, env = launcher(tmp_path, rank, preload=True)  # the command line; one_process runs it with no preload
     steps = [[sys.executable, "-c", f"open(r'{tmp_path / 'prepared'}', 'w').close()"], cmd]
     proc = subprocess.Popen([sys.executable, "-c", STEPS, json.dumps(steps)], env=env, stdout=subprocess.PIPE,
