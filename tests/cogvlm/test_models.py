@@ -447,3 +447,32 @@ def test_cross_encoder_rope_depends_on_relative_2d_position():
     assert dot((2, 1), (0, 3)) == pytest.approx(dot((3, 1), (1, 3)))  # same (row, col) offset
     assert dot((2, 1), (0, 3)) == pytest.approx(dot((2, 0), (0, 2)))
     assert dot((2, 1), (0, 3)) != pytest.approx(dot((2, 1), (1, 3)))  # different offset
+
+
+@pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])
+def test_greedy_decoding_runs_each_image_tower_once_a_sample_and_decodes_the_same_tokens(kind, tokenizer,
+                                                                                        captcha_dir):
+    """The evaluation's decoding re-runs the model on the whole sequence for every token; the image towers run on
+    the sample's image once (``evaluation.towers_run_once``), and the tokens are those of the plain decoding."""
+    import collections
+    from sat_patches.cogvlm import evaluation
+    model, args = build(kind)
+    model.eval()
+    batch = make_batch(kind, args, tokenizer, captcha_dir, n=1)
+    towers = {n: m for n, m in model.named_modules() if n in evaluation.IMAGE_TOWERS}
+    assert len(towers) == (2 if kind == "cogagent" else 1), sorted(towers)
+    calls = collections.Counter()
+    for name, tower in towers.items():
+        for child in tower.children():
+            child.register_forward_hook(lambda *_, name=name: calls.update([name]))
+
+    def decode(run):
+        calls.clear()
+        with torch.no_grad():  # eos -1: never said, so each decodes its 4 tokens
+            return run(model, batch, evaluation.model_inputs(batch), -1, 4), dict(calls)
+    plain, plain_calls = decode(evaluation._decode)
+    once, once_calls = decode(evaluation._greedy_tokens)
+    assert once == plain and len(plain) == 4
+    assert plain_calls == {name: 4 * n for name, n in once_calls.items()} and all(once_calls.values()), \
+        (plain_calls, once_calls)
+    assert all("forward" not in vars(tower) for tower in towers.values())  # the class's forward again afterwards
