@@ -36,6 +36,7 @@ from ..core.rank_env import torchrun_variables
 # what a rank of the scripts imports before its first step, in the order a rank imports it
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "sat", "transformers", "torch._dynamo")
 GRACE = 10.0  # seconds the other ranks get to exit after one failed, before SIGKILL
+FORWARDED = {signal.SIGINT, signal.SIGTERM}  # what the launcher passes on to every rank
 
 
 def options(argv: List[str]) -> argparse.Namespace:
@@ -89,6 +90,7 @@ def _be_rank(module: str, args: List[str], variables: Dict[str, str]) -> None:
     """(in the forked child) Run ``module`` as ``__main__`` and exit as ``python -m`` would; never returns."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the launcher around the fork
     os.environ.update(variables)
     _threads_as_set()
     _unbuffered()
@@ -113,8 +115,8 @@ def describe(code: int) -> str:
     return f"status {code}"
 
 
-def supervise(ranks: Dict[int, int]) -> int:
-    """Wait for the ranks (pid -> rank); the first failure stops the others. Returns the launcher's status."""
+def forward_signals(ranks: Dict[int, int]) -> List[int]:
+    """SIGINT and SIGTERM sent to the launcher go to every rank in ``ranks``; returns the list of those received."""
     received: List[int] = []
 
     def forward(signum, _frame):
@@ -125,8 +127,13 @@ def supervise(ranks: Dict[int, int]) -> int:
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    return received
+
+
+def supervise(ranks: Dict[int, int], received: List[int]) -> int:
+    """Wait for the ranks (pid -> rank); the first failure stops the others. Returns the launcher's status."""
     failed, deadline = None, None
     while ranks:
         pid, status = os.waitpid(-1, os.WNOHANG if deadline else 0)
@@ -160,15 +167,20 @@ def main(argv=None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, read when torch loads OpenMP
     preload()
     ranks: Dict[int, int] = {}
+    received = forward_signals(ranks)
     for rank in range(opts.nproc_per_node):
         variables = torchrun_variables(rank, opts.nproc_per_node, opts.master_port)
         sys.stdout.flush()
         sys.stderr.flush()
+        # a signal in the fork's window waits: the child must not run the launcher's handler, and the launcher
+        # forwards it once the child is one of its ranks
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         pid = os.fork()
         if pid == 0:
             _be_rank(opts.module, opts.args, variables)  # never returns
         ranks[pid] = rank
-    return supervise(ranks)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    return supervise(ranks, received)
 
 
 if __name__ == "__main__":
