@@ -147,15 +147,13 @@ def supervise(ranks: Dict[int, int], received: List[int]) -> int:
         rank, code = ranks.pop(pid), os.waitstatus_to_exitcode(status)
         if code != 0 and failed is None:
             failed = code
+            stopping = f": stopping the other {len(ranks)} rank(s)" if ranks else ""
+            print(f"sat_patches.runner.cpu_ranks: rank {rank} exited with {describe(code)}{stopping}", file=sys.stderr,
+                  flush=True)
+            for other in ranks:
+                os.kill(other, signal.SIGTERM)
             if ranks:
-                print(f"sat_patches.runner.cpu_ranks: rank {rank} exited with {describe(code)}: stopping the "
-                      f"other {len(ranks)} rank(s)", file=sys.stderr, flush=True)
-                for other in ranks:
-                    os.kill(other, signal.SIGTERM)
                 deadline = time.monotonic() + GRACE
-            else:
-                print(f"sat_patches.runner.cpu_ranks: rank {rank} exited with {describe(code)}", file=sys.stderr,
-                      flush=True)
     if failed is None:
         return 128 + received[0] if received else 0
     return 128 - failed if failed < 0 else failed

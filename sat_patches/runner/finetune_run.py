@@ -37,7 +37,7 @@ from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
 from ..planning import estimator as plan
-from . import one_process
+from . import cpu_ranks, one_process
 from .finetune_check import check, config_path, data_errors, visible_gpus
 
 # upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
@@ -244,11 +244,11 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     return [deepspeed_command(env, program, train_options(env))]
 
 
-def cpu_ranks() -> List[str]:
+def cpu_launcher() -> List[str]:
     """The launcher of CPU ranks (:mod:`sat_patches.runner.cpu_ranks`: torchrun's worker environment, each rank
     forked after the imports every rank makes), run by this interpreter: the ranks get the Python (and the
     sat_patches) that runs the script."""
-    return [sys.executable, "-m", "sat_patches.runner.cpu_ranks"]
+    return [sys.executable, "-m", cpu_ranks.__name__]
 
 
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
@@ -267,7 +267,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     commands = [
         [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
-        [*cpu_ranks(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches.merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
@@ -305,7 +305,7 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
     prepare = [] if prepared_for_resume(env) else [[py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where]]
     return prepare + [
-        [*cpu_ranks(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
          *train_options(env, **paths)],
         [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
