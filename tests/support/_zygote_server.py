@@ -159,6 +159,19 @@ def _child(request, sockets) -> None:
         os._exit(code & 0xFF)
 
 
+def kill_rank(pid: int) -> None:
+    """SIGKILL a forked rank and what it started: its process group, made by the rank's first act (``setsid``); a
+    rank forked a moment ago may not have run yet, and then it is killed by its pid (it has started nothing). The
+    caller has not reaped ``pid``, so the number is still the rank's."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def import_bitsandbytes_as_patched() -> None:
     """bitsandbytes as a patched rank imports it, its kernels compiled at their first call (a plain import loads
     torch's compiler for them: 2-3 s of every server's start, which a rank needs only for QLoRA's kernels)."""
@@ -194,10 +207,7 @@ def serve(address: str, preload=PRELOAD) -> int:
     finally:
         listener.close()
         for pid in live:  # leave no rank behind
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_rank(pid)
         for pid in live:
             try:
                 os.waitpid(pid, 0)
@@ -216,10 +226,7 @@ def _drop(client, clients: set, live: dict) -> None:
     client.close()
     for pid, (owner, _) in live.items():
         if owner is client:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_rank(pid)
 
 
 def _tell(client, message, clients: set, live: dict) -> None:

@@ -60,7 +60,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 from sat_patches.core import settings
 
-from _zygote_server import LOST, log_path  # the server's own module: standard library only at import
+from _zygote_server import LOST, kill_rank, log_path  # the server's own module: standard library only at import
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote_server.py")
 LOADER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__satp_zygote__')"
@@ -379,7 +379,7 @@ def run_before_sat(code: str, env: Optional[Dict[str, str]] = None, timeout: flo
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_rank(proc.pid)
             proc.wait()
             raise
         with open(out, errors="replace") as o, open(err, errors="replace") as e:

@@ -159,6 +159,23 @@ def test_code_before_sat_runs_where_neither_sat_nor_sat_patches_is_imported(tmp_
                                  ).stdout.strip() == "True"
 
 
+def test_a_departed_clients_rank_is_killed_even_before_it_made_its_process_group():
+    """A rank's first act is ``setsid``; a client that leaves right after asking for it may be dropped before the
+    rank has run at all, when its process group does not exist yet: the rank is killed by its pid then."""
+    import socket
+    import subprocess
+    import _zygote_server as server
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in this process's group
+    client, other = socket.socketpair()
+    try:
+        assert os.getpgid(rank.pid) != rank.pid
+        clients, live = {client}, {rank.pid: (client, 1)}
+        server._drop(client, clients, live)
+        assert rank.wait(30) == -signal.SIGKILL and not clients
+    finally:
+        rank.kill(), other.close()
+
+
 def test_the_test_processes_of_a_session_share_one_server_each_told_of_its_own_ranks(tmp_path):
     """Two clients (as two xdist workers of one session) reach one server; each hears of its own ranks' exits only,
     a client's departure kills its ranks and not the other's, and the server exits after its last client. A second
