@@ -7,7 +7,9 @@ import csv
 import datetime
 import logging
 import os
+import time
 import warnings
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -16,10 +18,8 @@ from ..core import fenced
 from ..core.registry import SatPatchesWarning
 from ..runtime import collectives
 from . import console
-from .charts import draw_loss_curve
+from .charts import CURVE_CSV, draw_loss_curve
 from .ledger import run_directory
-
-CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"
 
 
 SAT_LINE = "elapsed time per iteration (ms)"
@@ -39,9 +39,17 @@ CURVE_COLUMNS = ("iteration", "loss", "lr", "seconds_per_iteration", "model_para
 SPREAD_TOLERANCE = 1e-6
 
 
-def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float, spread: float = 0.0) -> None:
-    """Append the step to the run's loss curve and redraw its PNG (when matplotlib is there). ``spread``: the
-    largest difference between the losses of the model-parallel ranks (:func:`model_parallel_spread`)."""
+REDRAW_SECONDS = 60.0
+"""While a run trains, its PNG is redrawn at most this often (a drawing costs the logging rank a few tenths of a second,
+which every other rank then waits for at its next collective), and at the run's last step; the CSV gets every step."""
+_last_drawn: Dict[str, float] = {}  # run directory -> time.monotonic() of its last drawing, or of its first record
+
+
+def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float, spread: float = 0.0,
+                last: bool = False) -> None:
+    """Append the step to the run's loss curve; redraw its PNG (when matplotlib is there) at the ``last`` step and
+    when the last drawing is :data:`REDRAW_SECONDS` old. ``spread``: the largest difference between the losses of
+    the model-parallel ranks (:func:`model_parallel_spread`)."""
     path = os.path.join(run_dir, CURVE_CSV)
     os.makedirs(run_dir, exist_ok=True)
     fresh = not os.path.exists(path)
@@ -50,6 +58,10 @@ def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: flo
         if fresh:
             writer.writerow(CURVE_COLUMNS)
         writer.writerow([step, loss, lr, elapsed_ms / 1000, spread])
+    now = time.monotonic()
+    if not last and now - _last_drawn.setdefault(run_dir, now) < REDRAW_SECONDS:
+        return
+    _last_drawn[run_dir] = now
     try:
         draw_loss_curve(run_dir)
     except RuntimeError:  # no matplotlib: the CSV is the curve
@@ -88,10 +100,10 @@ def model_parallel_spread(loss: float, step: int) -> float:
     return spread
 
 
-def record_curve(run_dir: str, step, loss, lr, elapsed_time, spread: float = 0.0) -> None:
+def record_curve(run_dir: str, step, loss, lr, elapsed_time, spread: float = 0.0, last: bool = False) -> None:
     """:func:`record_step`, a full or read-only disk only warned about (the next step tries again)."""
     try:
-        record_step(run_dir, step, loss, lr, elapsed_time, spread)
+        record_step(run_dir, step, loss, lr, elapsed_time, spread, last)
     except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
         warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
 
@@ -117,7 +129,7 @@ def report_iteration_progress(original, summary_writer, optimizer, lr, loss, ela
     fenced.PROGRESS.run(print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
     run_dir = run_directory(args)
     if run_dir:
-        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time, spread)
+        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time, spread, step >= total_step)
 
 
 def report_evaluate_metrics_float32(original, summary_writer, prefix, loss, ppl, step, args, avg_metrics):

@@ -4,7 +4,8 @@ import logging
 
 import pytest
 
-from sat_patches.diagnostics.progress import CURVE_CSV, CURVE_PNG, progress_line
+from sat_patches.diagnostics.charts import CURVE_CSV, CURVE_PNG
+from sat_patches.diagnostics.progress import progress_line
 from sat_patches.testing import patches_removed
 
 
@@ -28,12 +29,29 @@ def test_sat_line_replaced_and_curve_written(tmp_path, capsys, caplog):
     assert "iteration 4/20 | loss 6.1000 | lr 1.00e-04 | 1.32 s/it | ETA 0:00:21 | acc 0.2500" in out
     assert "elapsed time per iteration" not in out + caplog.text
     assert (tmp_path / CURVE_CSV).read_text().splitlines()[1:] == ["2,6.3,0.0001,1.32,0.0", "4,6.1,0.0001,1.32,0.0"]
+    assert not (tmp_path / CURVE_PNG).exists()  # not redrawn at every step: see below
+    _report(tmp_path, 20)  # the last step
     assert (tmp_path / CURVE_PNG).stat().st_size > 5_000
     with patches_removed("progress_line"):  # stock SAT: its long line, no ETA, no curve
         caplog.clear()
         _report(tmp_path / "stock", 2)
     assert "elapsed time per iteration (ms): 1320.0" in caplog.text and "ETA" not in caplog.text
     assert not (tmp_path / "stock").exists()
+
+
+def test_the_png_is_redrawn_at_the_last_step_and_when_the_last_drawing_is_old(tmp_path, monkeypatch):
+    """A drawing costs the logging rank a few tenths of a second that the other ranks wait for: while the run trains
+    the PNG is redrawn only when its last drawing is ``REDRAW_SECONDS`` old (the CSV gets every step)."""
+    from sat_patches.diagnostics import progress
+    drawn = []
+    monkeypatch.setattr(progress, "draw_loss_curve", lambda run_dir: drawn.append(
+        len((tmp_path / CURVE_CSV).read_text().splitlines()) - 1))
+    clock = iter([100.0, 130.0, 161.0, 170.0, 175.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    for step in (1, 2, 3, 4):
+        progress.record_step(str(tmp_path), step, 1.0, 1e-4, 900.0)
+    progress.record_step(str(tmp_path), 5, 1.0, 1e-4, 900.0, last=True)
+    assert drawn == [3, 5]  # 61 s after the first record, and the last step
 
 
 def report_on_a_model_parallel_rank(save, steps):
