@@ -50,13 +50,6 @@ def _part_h(tmp_path, *extra):
 
 
 @pytest.mark.slow
-def test_part_h_without_the_remote_code_says_why_it_skips(tmp_path):
-    rows = _part_h(tmp_path)
-    assert [r["part"] for r in rows] == ["h"] * 3
-    assert all(r["status"].startswith("skipped: needs --hf-code DIR") for r in rows), rows
-
-
-@pytest.mark.slow
 def test_part_h_runs_the_recipes_at_tiny_size_on_cpu(tmp_path):
     rows = _part_h(tmp_path, "--hf-code", STANDIN)
     export, plain, four, adapter = rows
