@@ -91,14 +91,15 @@ def _inputs(values, config: dict, tokens: int, batch: int) -> dict:
 
 def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = None, checkpoint: bool = False,
               tokens: Optional[int] = None, batch: int = 1, lora_rank: int = 10,
-              trains: Callable[[str], bool] = lambda name: False) -> int:
+              trains: Callable[[str], bool] = lambda name: False, remember_outputs: bool = True) -> int:
     """Peak bytes alive during one LoRA training step (forward, loss, backward) of ``config`` (a released
     ``model_config.json``, e.g. ``sat_patches.cogvlm.shapes.upstream_config(name)``) as model-parallel rank 0
     of ``mp``, in bf16, with ``layers`` of each kind (default 1), activation checkpointing as
     ``--checkpoint-activations --vit_checkpoint_activations`` turn it on, at ``tokens`` (the demo's
     max_length by default); besides the LoRA factors, the parameters whose names ``trains`` accepts train
     (``sat_patches.core.kinds.KINDS[kind].demo_trains``: what upstream's demo trains). Weights and inputs made before the
-    step are not counted, nor are the parameters' gradients (dropped as soon as each is complete)."""
+    step are not counted, nor are the parameters' gradients (dropped as soon as each is complete).
+    ``remember_outputs=False``: every meta kernel runs (:class:`.meta_values.MetaValues`)."""
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.runtime import devices
     from sat_patches.planning.estimator import default_seq_len, plan_config
@@ -119,7 +120,7 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
         model.train()
         for transformer in (model.transformer, eva.transformer):
             transformer.checkpoint_activations = checkpoint
-        with MetaValues() as values:
+        with MetaValues(remember_outputs) as values:
             inputs = _inputs(values, config, tokens, batch)
             labels = values.meta(torch.zeros(batch, tokens, dtype=torch.long))
             with LiveBytes() as counter:

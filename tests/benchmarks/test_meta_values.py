@@ -2,6 +2,7 @@
 boolean routing run at full size without memory."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meta_values import SHADOW_LIMIT, MetaValues
 
@@ -34,3 +35,43 @@ def test_outside_the_mode_and_for_large_or_weight_derived_results_meta_stays_met
             bool((weight > 0).all())                          # no values behind a weight
     with pytest.raises(RuntimeError, match="meta"):
         int(torch.empty(3, device="meta").sum())
+
+
+class KernelCalls(TorchDispatchMode):
+    """Entered before MetaValues: sees the operations MetaValues runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_operation_making_new_tensors_runs_its_meta_kernel_once_per_signature_and_views_every_time():
+    aten = torch.ops.aten
+    with KernelCalls() as kernels, MetaValues():
+        a, b = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta").t()
+        first, again, other = a * 2, a * 2, b * 2                # b: another stride
+        views = [a.view(8, 4), a.view(8, 4)]
+        laid_out = torch.empty_strided((3, 5), (1, 3), device="meta") + 1
+    assert kernels.calls.count(aten.mul.Tensor) == 2 and kernels.calls.count(aten.view.default) == 2
+    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype)
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata   # a tensor of its own
+    assert other.stride() == b.stride() == (1, 8) and laid_out.stride() == (1, 3)
+    assert all(v.untyped_storage()._cdata == a.untyped_storage()._cdata for v in views)
+    with KernelCalls() as kernels, MetaValues(remember_outputs=False):
+        a = torch.empty(4, 8, device="meta")
+        a * 2, a * 2
+    assert kernels.calls.count(aten.mul.Tensor) == 2
+
+
+@pytest.mark.slow  # two layers measured twice on meta (about 5 s)
+def test_remembered_outputs_give_the_peaks_of_every_kernel_run():
+    from layer_bytes import layer_bytes
+    from sat_patches.cogvlm.config import tiny_config
+    config = tiny_config("cogagent")
+    for kind in ("language", "eva"):
+        plain, remembered = (layer_bytes(config, kind, 2, checkpoint=True, remember_outputs=r) for r in (False, True))
+        assert plain == remembered > 0, (kind, plain, remembered)
