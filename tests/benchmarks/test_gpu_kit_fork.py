@@ -7,10 +7,7 @@ the drop-in script at MP=2 with two ranks sharing one card (``SAT_PATCHES_SHARED
   tensor in the run's dtype, a resume giving the uninterrupted run's later losses, ``sat-patches merge`` and
   ``export hf``, and transformers' ``LlamaForCausalLM`` on the export giving the merged model's text-only logits.
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -96,16 +93,12 @@ def test_the_kit_knows_the_parts_and_passes_the_checkout_on(kit):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_the_users_path_runs_at_tiny_size_on_two_cpu_ranks_in_the_shared_gpu_mode(tmp_path):
+    from kit_part import run_part
     checkout = write_fake_checkout(str(tmp_path / "CogVLM"))
-    out = tmp_path / "out"
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, SAT_PATCHES_DEVICE="cpu", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, os.path.join(KIT, "proof.py"), "--tiny", "--parts", "u", "--checkout",
-                          checkout, "--out", str(out), "--time-scale", "2", "--scratch", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    rows = json.loads((out / "proof.json").read_text())["rows"]
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    data, _ = run_part("u", tmp_path, "--checkout", checkout, timeout=900)
+    rows = data["rows"]
     status = {r["check"]: r["status"] for r in rows}
     assert [c for c, s in status.items() if s != "ok"] == \
         [c for c in status if c.startswith("per-rank peak CUDA memory")], status

@@ -9,7 +9,6 @@ sat_patches, one step each at the same settings.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -92,21 +91,16 @@ def test_without_the_hf_code_the_part_says_what_it_needs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_peer_part_runs_at_tiny_size_on_cpu(tmp_path):
-    out = tmp_path / "out"
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, SAT_PATCHES_DEVICE="cpu", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, os.path.join(KIT, "proof.py"), "--tiny", "--parts", "p", "--hf-code",
-                          STANDIN, "--out", str(out), "--time-scale", "2"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
-    data = json.loads((out / "proof.json").read_text())
+    from kit_part import run_part
+    data, output = run_part("p", tmp_path, "--hf-code", STANDIN)
     assert [r for r in data["rows"] if r["status"] != "ok"] == []
-    table = data["parts"]["p"]["peer_table"]
+    table = data["peer_table"]
     settings = [figures.setting_name(mb, ckpt) for mb, ckpt in ((2, True), (1, False))]
     both = {(stack, setting) for stack in (figures.PEER, figures.OURS) for setting in settings}
     assert {(r["stack"], r["setting"]) for r in table} == both
     assert all(r["tokens_per_s"] > 0 and 0 < r["utilisation"] for r in table)
     # PEFT found the layers SAT's LoRA adapts: qkv and dense of 2 language and 2 EVA layers
     assert {r["lora_modules"] for r in table} == {8}
-    assert "| stack | setting | step | tokens/s |" in run.stdout and "x |" in run.stdout
+    assert "| stack | setting | step | tokens/s |" in output and "x |" in output
