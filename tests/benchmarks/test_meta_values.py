@@ -67,11 +67,11 @@ def test_an_operation_making_new_tensors_runs_its_meta_kernel_once_per_signature
     assert kernels.calls.count(aten.mul.Tensor) == 2
 
 
-@pytest.mark.slow  # two layers measured twice on meta (about 5 s)
+@pytest.mark.slow  # a layer measured twice on meta (about 4 s)
 def test_remembered_outputs_give_the_peaks_of_every_kernel_run():
+    """CogAgent's language layer, checkpointed at MP=2 (each of its models has a layer of every kind besides)."""
     from layer_bytes import layer_bytes
     from sat_patches.cogvlm.config import tiny_config
-    config = tiny_config("cogagent")
-    for kind in ("language", "eva"):
-        plain, remembered = (layer_bytes(config, kind, 2, checkpoint=True, remember_outputs=r) for r in (False, True))
-        assert plain == remembered > 0, (kind, plain, remembered)
+    plain, remembered = (layer_bytes(tiny_config("cogagent"), "language", 2, checkpoint=True, remember_outputs=r)
+                         for r in (False, True))
+    assert plain == remembered > 0, (plain, remembered)
