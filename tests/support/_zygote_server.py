@@ -40,7 +40,8 @@ import traceback
 
 PRELOAD = ("torch", "torch.distributed", "sat", "deepspeed",
            "sat.model.finetune.lora2",  # SAT's LoRA module is what imports bitsandbytes
-           "torch._dynamo")  # what activation checkpointing and torch.optim import in a rank (2-3 s): once, here
+           "torch._dynamo",  # what activation checkpointing and torch.optim import in a rank (2-3 s): once, here
+           "matplotlib.pyplot")  # what the rank that logs a run's loss imports to draw its curve (0.6 s)
 # (a comma-separated list after the two fds replaces it: see zygote.BEFORE_SAT)
 # torch.compile deferred to a function's first call, loaded by its path (the sat_patches package stays unimported)
 COMPILER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
