@@ -95,21 +95,20 @@ class MetaValues(TorchDispatchMode):
             return self.shadow(args[0]).to(dtype=kwargs.get("dtype"), copy=True)  # a read into host memory
         if func in _INDEXING:  # the indexed tensor stays meta; the index takes its values
             args, kwargs = tree_map(lambda v: self._index_values(v), (args, kwargs))
-        out = self._meta_call(func, args, kwargs) if self._remember and not shadowed and func not in _INDEXING else \
-            func(*args, **kwargs)
+        remembered = self._remember and not shadowed and func not in _INDEXING  # (so args are still those of tensors)
+        out = self._meta_call(func, args, kwargs, tensors) if remembered else func(*args, **kwargs)
         if shadowed and all(t.device.type == "meta" for t in tensors_in(out)):
             self._shadow_result(func, args, kwargs, out)
         return out
 
-    def _meta_call(self, func, args, kwargs):
+    def _meta_call(self, func, args, kwargs, tensors):
         """``func(*args, **kwargs)``; when it returns only new tensors from meta inputs, its meta kernel runs once per
         signature of the arguments and later calls get new empty tensors of the same sizes, strides and dtypes (a
-        meta kernel sees no values: what it returns follows from the signature)."""
+        meta kernel sees no values: what it returns follows from the signature). ``tensors``: those of the arguments."""
         fresh = self._fresh.get(func)
         if fresh is None:
             fresh = self._fresh[func] = _fresh_outputs(func)
-        tensors = tensors_in((args, kwargs)) if fresh else ()
-        if not (tensors and all(t.device.type == "meta" for t in tensors)):
+        if not (fresh and tensors and all(t.device.type == "meta" for t in tensors)):
             return func(*args, **kwargs)
         try:
             key = func, _signature(args), _signature(kwargs)
