@@ -1,6 +1,9 @@
+import atexit
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -11,6 +14,13 @@ sys.path[:0] = [os.path.join(HERE, "support"), os.path.join(os.path.dirname(HERE
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Hugging Face's import-time settings, one value for the whole session (the controller's, which pytest-xdist's workers
+# inherit): no hub is reached, and remote code that a test loads is cached in the session's own folder, not the
+# user's. Set once for every process, they do not keep a rank from forking (tests/support/zygote.py).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="satp-hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], True)
 
 
 def pytest_xdist_auto_num_workers(config):

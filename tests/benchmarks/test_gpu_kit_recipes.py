@@ -7,9 +7,7 @@
   the exported base gives SAT's logits with LoRA, and the 4-bit load is beside the fp32 load's logits or skipped
   with what refused it.
 """
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -38,15 +36,11 @@ def test_without_the_remote_code_every_recipe_row_is_skipped_with_the_reason(tmp
 
 
 def _part_h(tmp_path, *extra):
-    out = tmp_path / "out"
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, SAT_PATCHES_DEVICE="cpu", PYTHONPATH=path, HF_HUB_OFFLINE="1",
-               HF_MODULES_CACHE=str(tmp_path / "modules"))
-    run = subprocess.run([sys.executable, os.path.join(KIT, "proof.py"), "--tiny", "--parts", "h", "--out", str(out),
-                          "--time-scale", "2", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
-    return json.loads((out / "proof.json").read_text())["rows"]
+    """Part h's rows, the part run as the kit runs it (``tests/support/kit_part.py``); transformers' remote-code
+    cache is the session's (tests/conftest.py)."""
+    from kit_part import run_part
+    data, _ = run_part("h", tmp_path, *extra)
+    return data["rows"]
 
 
 @pytest.mark.slow
