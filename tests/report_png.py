@@ -10,7 +10,7 @@ from sat_patches.diagnostics.charts import CURVE_CSV, CURVE_PNG
 RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c"]  # matplotlib's first line colours: rank 0, 1, 2
 
 
-def _pixels_near(pixels, hex_color, tolerance=30):
+def pixels_near(pixels, hex_color, tolerance=30):
     target = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
     return sum(1 for p in pixels if all(abs(a - b) <= tolerance for a, b in zip(p, target)))
 
@@ -25,5 +25,5 @@ def assert_report_has_one_line_per_rank(run_dir, png, ranks=2):
     assert image.size == (1000, 600)
     pixels = list(image.getdata())
     for colour in RANK_COLOURS[:ranks]:
-        assert _pixels_near(pixels, colour) > 500, colour
-    assert _pixels_near(pixels, RANK_COLOURS[ranks]) == 0   # no line for a rank that does not exist
+        assert pixels_near(pixels, colour) > 500, colour
+    assert pixels_near(pixels, RANK_COLOURS[ranks]) == 0   # no line for a rank that does not exist

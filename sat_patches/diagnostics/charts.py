@@ -15,6 +15,9 @@ from . import ledger_files
 FIGSIZE, DPI = (10, 6), 100
 CURVE_CSV, CURVE_PNG = "loss_curve.csv", "loss_curve.png"  # a run's loss curve, in its run directory
 MARKED = ("build", "load", "split", "lora", "deepspeed_init", "first_step")
+# rank 0 solid, the later ranks dashed: ranks holding the same memory (data-parallel ranks often do) draw their lines
+# over one another, and an earlier rank's line shows in a later one's gaps
+RANK_LINESTYLES = ("-", (0, (4, 5)), (0, (1, 3)), (0, (8, 3, 2, 3)))
 
 
 def _pyplot():
@@ -61,7 +64,8 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
         for rank in ranks:
             mine = sorted((r for r in rows if r.rank == rank), key=lambda r: r.time)
             xs, ys = [r.time - t0 for r in mine], [getattr(r, key) / 1024 for r in mine]
-            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=f"rank {rank}")
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=f"rank {rank}",
+                    linestyle=RANK_LINESTYLES[ranks.index(rank) % len(RANK_LINESTYLES)])
             if rank == ranks[0]:
                 marked = [(r, x, y) for r, x, y in zip(mine, xs, ys) if r.phase in MARKED]
                 for i, (r, x, y) in enumerate(marked):  # alternate above/below: phases often coincide

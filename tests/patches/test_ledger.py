@@ -82,6 +82,22 @@ def test_report_draws_one_line_per_rank(tiny_run, tmp_path):
     assert_report_has_one_line_per_rank(run_dir, tmp_path / "ledger.png")
 
 
+def test_ranks_with_the_same_memory_each_show_their_line(tmp_path):
+    """Two ranks often hold the same RSS (a data-parallel run): the later rank's line is drawn over the earlier's,
+    and each must still show in the chart."""
+    from PIL import Image
+    from report_png import RANK_COLOURS, pixels_near
+    from sat_patches.diagnostics import charts
+    rows = [ledger_files.Row(rank=k, phase=phase, iteration=it, time=float(t), elapsed=float(t), rss_mib=rss,
+                             rss_peak_mib=rss)
+            for k in (0, 1) for t, (phase, it, rss) in enumerate(
+                [("start", 0, 300), ("build", 0, 320), ("deepspeed_init", 0, 360), ("first_step", 1, 400)] +
+                [("step", it, 400 + it) for it in range(2, 12)])]
+    ledger_files.write(str(tmp_path), rows, rows, fresh=True)
+    pixels = list(Image.open(charts.draw(str(tmp_path))).convert("RGB").getdata())
+    assert [pixels_near(pixels, colour) > 500 for colour in RANK_COLOURS[:2]] == [True, True]
+
+
 @pytest.mark.slow  # the module's two-rank run in fresh processes
 def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
     run_dir, results = tiny_run
