@@ -71,12 +71,13 @@ def heaviest_modules_first(items) -> None:
     to run on alone after the other workers had finished (measured on a 2-core machine: the workers' last tests
     ended 28 s apart in the collection's order, 12 s apart in this one). The weights are the markers' (a slow test:
     an end-to-end run or a fresh interpreter; a multirank test: ranks), a rough guide."""
+    def module(item):
+        return item.nodeid.split("::", 1)[0]
     weight: dict = {}
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        weight[module] = weight.get(module, 0.0) + (
+        weight[module(item)] = weight.get(module(item), 0.0) + (
             WEIGHT_SLOW if "slow" in item.keywords else WEIGHT_MULTIRANK if "multirank" in item.keywords else WEIGHT_OTHER)
-    items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: ties keep the collection's order
+    items.sort(key=lambda item: -weight[module(item)])  # stable: ties keep the collection's order
 
 
 def pytest_collection_modifyitems(config, items):
