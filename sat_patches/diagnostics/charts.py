@@ -61,12 +61,12 @@ def draw(run_dir: str, out: Optional[str] = None) -> str:
     fig, axes = plt.subplots(2 if cuda else 1, 1, figsize=FIGSIZE, dpi=DPI, sharex=True, squeeze=False)
     series = [("rss_mib", "host RSS (GiB)")] + ([("cuda_max_alloc_mib", "CUDA max allocated (GiB)")] if cuda else [])
     for ax, (key, label) in zip(axes[:, 0], series):
-        for rank in ranks:
+        for position, rank in enumerate(ranks):
             mine = sorted((r for r in rows if r.rank == rank), key=lambda r: r.time)
             xs, ys = [r.time - t0 for r in mine], [getattr(r, key) / 1024 for r in mine]
             ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=f"rank {rank}",
-                    linestyle=RANK_LINESTYLES[ranks.index(rank) % len(RANK_LINESTYLES)])
-            if rank == ranks[0]:
+                    linestyle=RANK_LINESTYLES[position % len(RANK_LINESTYLES)])
+            if position == 0:
                 marked = [(r, x, y) for r, x, y in zip(mine, xs, ys) if r.phase in MARKED]
                 for i, (r, x, y) in enumerate(marked):  # alternate above/below: phases often coincide
                     ax.annotate(r.phase, (x, y), textcoords="offset points", xytext=(3, 6 if i % 2 else -11),

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIT = os.path.join(ROOT, "benchmarks", "gpu")
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")

@@ -35,17 +35,11 @@ def test_without_the_remote_code_every_recipe_row_is_skipped_with_the_reason(tmp
         assert all(r.status.startswith("skipped: ") and reason in r.status for r in rec.rows), rec.rows
 
 
-def _part_h(tmp_path, *extra):
-    """Part h's rows, the part run as the kit runs it (``tests/support/kit_part.py``); transformers' remote-code
-    cache is the session's (tests/conftest.py)."""
-    from kit_part import run_part
-    data, _ = run_part("h", tmp_path, *extra)
-    return data["rows"]
-
-
 @pytest.mark.slow
 def test_part_h_runs_the_recipes_at_tiny_size_on_cpu(tmp_path):
-    rows = _part_h(tmp_path, "--hf-code", STANDIN)
+    from kit_part import run_part  # (transformers' remote-code cache is the session's: tests/conftest.py)
+    data, _ = run_part("h", tmp_path, "--hf-code", STANDIN)
+    rows = data["rows"]
     export, plain, four, adapter = rows
     assert export["status"] == "ok" and "export peft: 8 layers" in export["measured"], export
     assert plain["status"] == "ok" and "fp32 (tiny, CPU)" in plain["check"], plain
