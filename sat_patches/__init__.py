@@ -20,16 +20,13 @@ from __future__ import annotations
 import sys
 from typing import Iterable, List
 
-import _sat_patches_boot  # noqa: F401  (without triton, ``import sat`` needs SAT's rotary module served)
-
-from .core import module_patches, noise
-from .core.after_import import AfterEachImport, AfterImport, initializing
-from .core import settings
+from .core import noise, settings
+from .core.import_hook import HOOK, serve_standins
 from .core.registry import REGISTRY, Patch, SatPatchesWarning  # noqa: F401
 
 __version__ = "0.2.0"
 
-_auto = {"pending": True, "applying": False, "waiting": False}
+_auto = {"pending": True, "applying": False}
 
 
 def _registered():
@@ -39,33 +36,27 @@ def _registered():
     return REGISTRY
 
 
-def _apply_on_import(finished: str = "") -> None:
-    """Called once SAT is imported. When SAT's import came from a patch module being imported,
-    :mod:`sat_patches.patches` calls this again once all of them are. When it came from another module of
-    ours mid-import (``from sat_patches.checkpoints.loading import ...`` before ``import sat``), the patches,
-    which import that module, wait until it is done: called again as each module of ours finishes
-    (``finished``)."""
-    patches = sys.modules.get(f"{__name__}.patches")
-    if patches is not None and not hasattr(patches, "PATCHES"):
-        return
-    if not _auto["pending"] or _auto["applying"]:
-        return  # (every later status() and is_patched() call comes here: no scan of the modules)
-    if initializing(__name__, but=finished):
-        _auto["waiting"] = True
-        return
-    _auto["waiting"] = False
-    apply()
+def _apply_on_import() -> None:
+    """Called once SAT is imported: the patches go on, once no module of ours is mid-import (their records import
+    our modules, and one half-imported cannot be imported from)."""
+    if _auto["pending"] and not _auto["applying"]:
+        HOOK.when_own_imports_done(_apply_if_pending)
 
 
-def _after_own_import(fullname: str) -> None:
-    if _auto["waiting"]:
-        _apply_on_import(finished=fullname)
+def _apply_if_pending() -> None:
+    if _auto["pending"] and not _auto["applying"]:
+        apply()
 
 
 def _applied():
     """The registry after the automatic apply, if that is still waiting for ``import sat``."""
-    _apply_on_import()
+    _apply_if_pending()
     return _registered()
+
+
+def _stop_waiting() -> None:
+    HOOK.forget("sat", _apply_on_import)
+    HOOK.counting_own = False
 
 
 def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
@@ -74,9 +65,8 @@ def apply(disable: Iterable[str] = (), force: bool | None = None) -> List[dict]:
     try:
         _registered().apply_all(disable=disable, force=force)
     finally:
-        _auto.update(pending=False, applying=False, waiting=False)
-    _hook.remove()
-    _own_imports.remove()
+        _auto.update(pending=False, applying=False)
+    _stop_waiting()
     return REGISTRY.table()
 
 
@@ -84,8 +74,7 @@ def unpatch(*names: str) -> None:
     """Restore the originals of the named patches (all when none named), including rebound
     ``from x import y`` aliases; patches stacked over a named one on the same target stay applied."""
     _auto["pending"] = False  # an unpatch before ``import sat`` also means: do not patch it then
-    _hook.remove()
-    _own_imports.remove()
+    _stop_waiting()
     if names:
         _registered().restore(names)
     else:
@@ -127,12 +116,10 @@ def stacks():
     return STACKS
 
 
+# Applied in this order, each at ``import sat_patches``, for the reason given:
 if not ({noise.PATCH_NAME, "all"} & settings.read("SAT_PATCHES_DISABLE")):
-    noise.install()  # before SAT imports bitsandbytes and DeepSpeed, which log at import
-if not ({module_patches.BITSANDBYTES_PATCH, "all"} & settings.read("SAT_PATCHES_DISABLE")):
-    module_patches.BITSANDBYTES_BEFORE_LORA.arm()  # before anything imports SAT's LoRA, our own modules included
-_own_imports = AfterEachImport(__name__, _after_own_import)  # where the patches wait for a module of ours
-_hook = AfterImport("sat", _apply_on_import)
-if "sat" not in sys.modules:
-    _own_imports.arm()
-_hook.arm()
+    noise.install()  # 1. before SAT imports bitsandbytes and DeepSpeed, which log at import
+serve_standins()  # 2. before ``import sat``, which imports SAT's triton rotary module (no triton: the stand-in)
+HOOK.counting_own = "sat" not in sys.modules  # 3. SAT imported from inside a module of ours waits for it
+HOOK.after("sat", _apply_on_import)  # 4. the patches: now if SAT is imported, else when it is
+HOOK.arm()

@@ -23,12 +23,10 @@
 # the card) read a CogVLM checkout: set COGVLM_CHECKOUT to a local clone of the public THUDM/CogVLM repository (or a
 # fork) and its utils/ and finetune_demo/ are copied into .gpu-wheels/cogvlm/ (git-ignored, never committed);
 # without it those parts say skipped. Its EVA imports xformers, which the machine lacks: sat_patches serves its
-# stand-in at start-up.
+# stand-in once imported.
 #
 # sat_patches itself travels as the working tree (the command runs in the repository root): PYTHONPATH
-# holds the root, and proof.py imports sat_patches before SAT, which installs the start-up hook's finder;
-# sat_patches.pth (only needed for `import sat` before `import sat_patches` on a machine without triton)
-# is not needed there.
+# holds the root, and proof.py imports sat_patches before SAT.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -3,21 +3,18 @@
 A fork's ``utils/models/mixin.py`` is imported by its finetune demo after ``import sat`` (and after the
 patches went on), from the checkout's root on ``sys.path``. Importing it ourselves would import whatever
 ``utils`` package the process can see, so an :class:`OnImportPatch` waits: while its module is not imported
-its status is ``waiting``, and it is applied by a post-import hook the moment the module's own code has run,
-through the same gate on the code's shape as every patch (and again whenever the module is imported afresh).
+its status is ``waiting``, and the import hook applies it the moment the module's own code has run, through the
+same gate on the code's shape as every patch (and again whenever the module is imported afresh).
 """
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
-from .after_import import AfterImport
+from .import_hook import HOOK
 from .registry import Patch
 
 
 class OnImportPatch(Patch):
-    _hook: Optional[AfterImport] = None
-
     @property
     def module_name(self) -> str:
         return self.target.partition(":")[0]
@@ -32,23 +29,16 @@ class OnImportPatch(Patch):
         return super().current() if self.module_name in sys.modules else None
 
     def apply(self, force: bool = False, aliases=None) -> None:
-        self._arm(force)
-        if self.module_name in sys.modules:
-            return super().apply(force=force, aliases=aliases)
-        self.status, self.reason = "waiting", f"applied when {self.module_name} is imported"
+        self._force = force
+        if self.module_name not in sys.modules:
+            self.status, self.reason = "waiting", f"applied when {self.module_name} is imported"
+        HOOK.after(self.module_name, self._on_import)
+
+    def _on_import(self) -> None:
+        Patch.apply(self, force=getattr(self, "_force", False))
 
     def restore(self) -> None:
-        self._disarm()
+        HOOK.forget(self.module_name, self._on_import)
         if self.status == "waiting":
             self.status, self.reason = "restored", ""
         super().restore()
-
-    def _arm(self, force: bool) -> None:
-        """Watch every import of the module (a fresh import, e.g. in another checkout, is patched again)."""
-        if self._hook is None:
-            self._hook = AfterImport(self.module_name, lambda: self.apply(force=force))
-        self._hook.watch()
-
-    def _disarm(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()

@@ -1,7 +1,7 @@
 """Pure-torch rotary kernel with the contract of SAT's triton ``apply_rotary``.
 
-Standalone on purpose (torch only, no package-relative imports): the start-up hook
-(``_sat_patches_boot``) serves this file as ``sat.model.position_embedding.triton_rotary`` when
+Standalone on purpose (torch only, no package-relative imports): the import hook
+(:mod:`sat_patches.core.import_hook`) serves this file as ``sat.model.position_embedding.triton_rotary`` when
 triton is missing, while ``sat`` itself is still being imported.
 """
 from typing import Optional, Union

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .bitsandbytes_import import import_bitsandbytes
-
-import_bitsandbytes()  # without torch's compiler until a kernel runs
-import bitsandbytes.functional as bnbf  # noqa: E402
+import bitsandbytes.functional as bnbf
 import torch
 from bitsandbytes.nn import Linear4bit, LinearNF4, Params4bit
 from sat.model.base_model import BaseModel

@@ -9,14 +9,9 @@ Several SAT functions carry patches from more than one module. Their order is de
 applies them in that order whatever the order of :data:`MODULES`, and refuses a shared target that
 is not declared. ``sat-patches status`` prints the stacks.
 """
-import sys
-
 from ..core.registry import REGISTRY
 
-# rotary first: importing it installs the substitute for SAT's triton module, without which (no triton
-# installed) the ``import sat`` in the modules below fails.
-from . import rotary  # noqa: I001
-from . import (standins, adapters, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
+from . import (rotary, standins, adapters, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
                fork_models, hangs, ledger, loading, lora, preprocess, progress, resume, trainable)
 
 # Innermost first.
@@ -93,7 +88,3 @@ STACKS = {
 PATCHES = [patch for module in MODULES for patch in module.PATCHES]
 REGISTRY.add(*PATCHES)
 REGISTRY.declare_stacks({target: [name for name, _ in stack] for target, stack in STACKS.items()})
-
-# Importing the modules above imported SAT. If that was SAT's first import, ``import sat_patches``
-# left the patches waiting for it: they go on now.
-sys.modules[__name__.rpartition(".")[0]]._apply_on_import()

@@ -1,14 +1,11 @@
 """DeepSpeed set-up: configs DeepSpeed 0.19 rejects, g++ builds it starts on CPU ranks, CUDA architecture lists
-its op builders cannot read, Muon's kernels compiled in runs that do not use Muon."""
+its op builders cannot read."""
 from __future__ import annotations
 
 import functools
 
-from ..core.after_import import WhileImporting
-from ..core.module_patches import BeforeImportPatch
 from ..core.registry import Patch, expect_names, expect_params
 from ..runtime import devices
-from ..runtime.compiler import compiler_deferred
 from ..runtime.cuda_arch import plain_arch_list
 from ..runtime.deepspeed_config import initialize_distributed_linted
 
@@ -41,10 +38,6 @@ def _plain_arch_list(original):
     return compute_capability_args
 
 
-# DeepSpeed 0.19 imports this module in every ZeRO run (its optimizer check, ZeRO-2's gradient epilogue), Muon or not
-MUON_KERNELS = "deepspeed.runtime.zero.muon.original_muon"
-MUON_COMPILED_ON_FIRST_CALL = WhileImporting(MUON_KERNELS, compiler_deferred)
-
 PATCHES = [
     Patch("deepspeed_config_lint", "sat.arguments:initialize_distributed", _lint_before_deepspeed,
           answers="SAT's bundled configs: min_loss_scale 0.01 (DeepSpeed ValidationError); CPU FusedAdam build; "
@@ -60,11 +53,4 @@ PATCHES = [
                   "TORCH_CUDA_ARCH_LIST=9.0a (deepspeedai/DeepSpeed#7589)",
           verified_on="deepspeed 0.19.8",
           expect=expect_params("cross_compile_archs")),
-    BeforeImportPatch(
-        "deepspeed_muon_compile_on_first_call", f"sys.meta_path:WhileImporting({MUON_KERNELS})",
-        MUON_COMPILED_ON_FIRST_CALL,
-        answers="DeepSpeed 0.19's ZeRO imports its Muon kernels in every run, Muon or not (the optimizer check, "
-                "ZeRO-2's gradient epilogue), and torch.compile wraps them at import: torch's compiler imported in "
-                "each rank (2-3.5 s of its start-up); compiled at a kernel's first call instead",
-        verified_on="deepspeed 0.19.8"),
 ]

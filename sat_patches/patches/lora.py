@@ -8,7 +8,6 @@ a ``NameError``.
 """
 from __future__ import annotations
 
-from ..core.module_patches import BITSANDBYTES_BEFORE_LORA, BITSANDBYTES_PATCH, BeforeImportPatch
 from ..core.registry import Patch, expect_names, expect_params
 from ..lora.layer import LoraLinear, merge_linear_lora, reinit_lora_mixin, replace_linear_with_lora
 
@@ -43,11 +42,6 @@ def _merge_linear_lora(original):
 
 
 PATCHES = [
-    BeforeImportPatch(
-        BITSANDBYTES_PATCH, "sys.meta_path:BeforeImport(sat.model.finetune.lora2)", BITSANDBYTES_BEFORE_LORA,
-        answers="SAT's lora2 imports bitsandbytes, whose default backend wraps its NF4 kernels in torch.compile at "
-                "import: 2.5-5.5 s of torch's compiler imports (pytorch/pytorch#149872) in every process that "
-                "imports SAT's LoRA, QLoRA or not; imported first with the compiler deferred to a kernel's first call"),
     Patch("lora_linear", "sat.model.finetune.lora2:LoraLinear", _lora_linear,
           answers="LoRA by reference on the base weight's device/dtype; RowParallel LoRA all-reduces "
                   "x@A^T (stock SAT does not: model-parallel ranks disagree once B != 0); QLoRA NameError 'dtype' "

@@ -10,13 +10,10 @@ from __future__ import annotations
 import functools
 import inspect
 
-import _sat_patches_boot
-
+from ..core.import_hook import TRITON_ROTARY
 from ..core.module_patches import ServedModulePatch
 from ..core.registry import Patch
 from ..kernels.rotary import apply_rotary
-
-TRITON_ROTARY = _sat_patches_boot.TRITON_ROTARY
 
 
 def _dispatching_apply_rotary(original):

@@ -1,1 +1,1 @@
-"""Modules served under another name where a CUDA-only dependency is missing (see ``_sat_patches_boot``)."""
+"""Modules served under another name where a CUDA-only dependency is missing (see :mod:`sat_patches.core.import_hook`)."""

@@ -1,5 +1,6 @@
 """The patch registry: applied once, idempotent, reversible, gated on SAT's code shape."""
 import json
+import os
 import subprocess
 import sys
 import types
@@ -12,8 +13,14 @@ from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, expect
 from sat_patches.testing import patches_removed
 from zygote import run_before_sat
 
+SOURCE_DIR = os.path.dirname(os.path.abspath(sat_patches.__file__))
 FORK_PATCHES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")  # waiting for a fork's mixin.py
 
+# SAT's triton rotary module as a machine with triton has it (``import sat`` before ``import sat_patches`` needs it;
+# here our kernel file, loaded by path, which imports nothing of sat_patches)
+AS_WITH_TRITON = ("import importlib.util as u, sys, os; name = 'sat.model.position_embedding.triton_rotary'; "
+                  f"spec = u.spec_from_file_location(name, {os.path.join(SOURCE_DIR, 'kernels', 'rotary.py')!r}); "
+                  "m = sys.modules[name] = u.module_from_spec(spec); spec.loader.exec_module(m)")
 STATUS_SNIPPET = "import json, sat_patches; print('STATUS' + json.dumps(sat_patches.status()))"
 
 
@@ -27,7 +34,7 @@ def _status_in_subprocess(code, env=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["import sat, sat_patches", "import sat_patches, sat"])
 def test_every_patch_applied_in_either_import_order(order):
-    rows, _ = _status_in_subprocess(f"{order}; {STATUS_SNIPPET}")
+    rows, _ = _status_in_subprocess(f"{AS_WITH_TRITON}; {order}; {STATUS_SNIPPET}")
     assert set(rows) == set(sat_patches.names())
     not_applied = {n: r for n, r in rows.items() if r["status"] != "applied"}
     assert {n: r["status"] for n, r in not_applied.items()} == {n: "waiting" for n in FORK_PATCHES}, not_applied

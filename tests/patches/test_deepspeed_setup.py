@@ -1,5 +1,4 @@
-"""DeepSpeed set-up at launch: config lint (each case fixed with a warning or refused with a clear message), Muon's
-kernels compiled on first call."""
+"""DeepSpeed set-up at launch: config lint (each case fixed with a warning or refused with a clear message)."""
 import argparse
 import copy
 import json
@@ -10,7 +9,6 @@ import pytest
 import sat_patches
 from sat_patches.runtime.deepspeed_config import (DeepSpeedConfigError, initialize_distributed_linted,
                                                   lint_deepspeed_config)
-from sat_patches.testing.multirank import run_ranks
 
 # upstream THUDM/CogVLM finetune_demo/test_config_bf16.json (offload_optimizer at the top level)
 UPSTREAM_BF16 = {
@@ -170,30 +168,3 @@ def test_arch_lists_lose_only_their_variant_suffixes():
     from sat_patches.runtime.cuda_arch import without_variants
     assert without_variants("7.5;8.0;8.6+PTX;9.0a;10.0a+PTX;12.0f") == "7.5;8.0;8.6+PTX;9.0;10.0+PTX;12.0"
     assert without_variants("9.0 9.0a") == "9.0 9.0" and without_variants(None) is None and without_variants("") == ""
-
-
-
-def zero_check_imports_muon():
-    """DeepSpeed's ZeRO check of an AdamW (every SAT run's optimizer on CPU ranks), which imports Muon's kernels:
-    its answer, and the name of a kernel's code."""
-    import deepspeed
-    import torch
-    from deepspeed.runtime import engine
-    deepspeed.init_distributed(dist_backend="gloo")
-    supported = engine.is_zero_supported_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
-    from deepspeed.runtime.zero.muon import original_muon
-    return supported, original_muon.zeropower_via_newtonschulz5.__code__.co_name
-
-
-@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.slow)],
-                         ids=["patched", "deepspeeds-own"])
-def test_zero_imports_muons_kernels_to_be_compiled_on_their_first_call(patched):
-    """Patched, Muon's kernel is a wrapper that compiles on its first call (sat_patches.runtime.compiler, whose
-    first-call compile is tested with bitsandbytes' kernels in test_lora_bitsandbytes_import.py); the import's cost
-    without torch's compiler is measured in benchmarks/start_up.py. (Forked ranks have the compiler imported
-    already: their server imports SAT's LoRA and, through it, bitsandbytes as it is.)"""
-    [r] = run_ranks(zero_check_imports_muon, 1, timeout=120,
-                    patches=True if patched else ["deepspeed_muon_compile_on_first_call"])
-    assert r.ok, r.output[-3000:]
-    supported, kernel = r.result
-    assert supported is True and (kernel == "first_call_compiles") is patched, r.result

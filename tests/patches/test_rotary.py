@@ -85,8 +85,14 @@ def test_without_fallback_fast_rotary_reaches_triton_and_fails():
 
 @pytest.mark.slow
 def test_import_sat_needs_the_import_patch_without_triton():
-    env = dict(os.environ, SAT_PATCHES_DISABLE="triton_rotary_import")
-    out = subprocess.run([sys.executable, "-c", "import sat"], capture_output=True, text=True, env=env, timeout=300)
+    """Without triton, ``import sat`` works after ``import sat_patches`` (SAT's rotary module served), not before it,
+    nor with the stand-in disabled: nothing is served to a process that did not import sat_patches."""
+    def run(code, **env):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, **env))
+    out = run("import sat_patches, sat", SAT_PATCHES_DISABLE="triton_rotary_import")
     assert out.returncode != 0 and "No module named 'triton'" in out.stderr
-    out = subprocess.run([sys.executable, "-c", "import sat"], capture_output=True, text=True, timeout=300)
+    out = run("import sat")
+    assert out.returncode != 0 and "No module named 'triton'" in out.stderr
+    out = run("import sat_patches, sat")
     assert out.returncode == 0, out.stderr[-2000:]

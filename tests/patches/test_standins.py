@@ -1,5 +1,5 @@
-"""Stand-ins for CUDA-only modules: xformers' memory_efficient_attention in plain torch; the libraries SAT imports at
-``import sat`` and a fine-tune never uses, imported at their first use."""
+"""Stand-ins for CUDA-only modules: xformers' memory_efficient_attention in plain torch, served only in a process that
+imported sat_patches and only where xformers is not installed."""
 import math
 import os
 import subprocess
@@ -40,19 +40,23 @@ def test_standin_matches_plain_attention_values_and_gradients(scale, with_bias):
         torch.testing.assert_close(g, r)
 
 
-def _import_xformers(tmp_path, env=None, fake_real=False):
+def _import_xformers(tmp_path, env=None, fake_real=False, ours=True):
     if fake_real:  # a "real" xformers on the path must win over the stand-in
         (tmp_path / "xformers").mkdir()
         (tmp_path / "xformers" / "__init__.py").write_text("REAL = True\n")
-    code = "import xformers; print('GOT', getattr(xformers, '__sat_patches__', 'real'))"
+    code = ("import importlib.util, sys\n"
+            + ("import sat_patches\n" if ours else "print('SPEC', importlib.util.find_spec('xformers'))\n")
+            + "import xformers; print('GOT', getattr(xformers, '__sat_patches__', 'real'))")
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), SOURCE]), **(env or {}))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60)
 
 
-@pytest.mark.slow  # three fresh interpreters (~6 s)
-def test_served_at_start_up_never_over_a_real_xformers_and_off_when_disabled(tmp_path):
+@pytest.mark.slow  # four fresh interpreters (~4 s)
+def test_served_only_after_import_sat_patches_never_over_a_real_xformers_and_off_when_disabled(tmp_path):
     served = _import_xformers(tmp_path)
     assert "GOT xformers_standin" in served.stdout, served.stderr[-2000:]
+    elsewhere = _import_xformers(tmp_path, ours=False)  # sat_patches on the path, not imported: nothing served
+    assert "SPEC None" in elsewhere.stdout and "No module named 'xformers'" in elsewhere.stderr, elsewhere.stderr
     disabled = _import_xformers(tmp_path, env={"SAT_PATCHES_DISABLE": "xformers_standin"})
     assert "No module named 'xformers'" in disabled.stderr
     real = _import_xformers(tmp_path, fake_real=True)
@@ -68,57 +72,3 @@ def test_listed_in_status_and_unpatched_like_any_patch():
     finally:
         sat_patches.apply()
     assert sat_patches.is_patched("xformers_standin")
-
-
-DEFERRED_RUN = r"""
-import importlib, json, sys
-import sat_patches, sat
-held = [m for m in ("wandb", "datasets", "transformers.activations", "requests") if m in sys.modules]
-import torch
-import sat.data_utils.hf_dataset as hf, sat.model.official.gpt2_model as gpt2, sat.training.deepspeed_training as dt
-x = torch.linspace(-3, 3, 7)
-first = gpt2.gelu(x)                       # SAT's GPT-2 activation, bound at import as ACT2FN["gelu_new"]
-from transformers.activations import NewGELUActivation
-rows = dict(held=held, repr=repr(hf.load_dataset), same=bool(torch.equal(first, NewGELUActivation()(x))),
-            wandb=dt.wandb.log.__module__.split(".")[0], datasets_unused="datasets" in sys.modules)
-sat_patches.unpatch("deferred_imports")    # SAT's module imported again, as stock SAT imports it
-del sys.modules["sat.data_utils.hf_dataset"]
-importlib.import_module("sat.data_utils.hf_dataset")
-rows["datasets_stock"] = "datasets" in sys.modules
-print(json.dumps(rows))
-"""
-
-
-@pytest.mark.slow  # a fresh interpreter importing SAT (~10 s); the registry's fast tests list the record
-def test_libraries_sat_imports_but_a_fine_tune_never_uses_are_imported_at_first_use():
-    """After ``import sat`` none of wandb, datasets, transformers.activations, requests is imported; what SAT bound from
-    them works as the real objects at first use; without the patch SAT's module imports its library."""
-    import json
-    run = subprocess.run([sys.executable, "-c", DEFERRED_RUN], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert rows["held"] == [] and rows["datasets_unused"] is False, rows
-    assert rows["repr"] == "<deferred datasets.load_dataset>" and rows["same"] and rows["wandb"] == "wandb", rows
-    assert rows["datasets_stock"] is True, rows
-    assert {r["name"]: r for r in sat_patches.status()}["deferred_imports"]["status"] == "applied"
-
-
-def test_a_deferred_library_is_bound_as_placeholders_and_imported_at_first_use(monkeypatch):
-    """The placeholders of ``_sat_patches_deferred`` on a library of the standard library (``fractions``, taken out
-    of ``sys.modules`` for the test): names bound while the module's code runs import nothing; a value used while it
-    runs, or after, is the real one; nothing of the placeholder stays in ``sys.modules``."""
-    import _sat_patches_deferred as deferred
-    monkeypatch.delitem(sys.modules, "fractions", raising=False)
-    monkeypatch.setitem(deferred.DEFERRED, "a_sat_module", ("fractions",))
-    with deferred.binding_names("a_sat_module"):
-        import fractions
-        from fractions import Fraction
-        half = Fraction(1, 2)                      # used while the module's code runs: imported then
-        assert "fractions" in sys.modules and not isinstance(sys.modules["fractions"], deferred.DeferredModule)
-    assert half == 0.5 and repr(Fraction) == "<deferred fractions.Fraction>"
-    monkeypatch.delitem(sys.modules, "fractions")
-    with deferred.binding_names("a_sat_module"):
-        from fractions import Fraction as later
-        third = later  # bound, not used
-    assert "fractions" not in sys.modules and isinstance(fractions, deferred.DeferredModule)
-    assert third(1, 3) * 3 == 1 and "fractions" in sys.modules  # first use after the module's code: imported
