@@ -1,5 +1,5 @@
 """Merge a model-parallel LoRA checkpoint into one MP=1 checkpoint with the LoRA folded in
-(``sat-patches merge`` / ``python -m sat_patches.merge`` on the command line, :mod:`sat_patches.cli.merge`).
+(``sat-patches merge`` / ``python -m sat_patches merge`` on the command line, :mod:`sat_patches.cli.merge`).
 
 One process, no GPU: each tensor is read from the memory-mapped shards, the model-parallel slices
 are joined (ColumnParallel by stride, RowParallel by input, vocabulary by rows; LoRA's ``matrix_A``/

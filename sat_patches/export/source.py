@@ -6,7 +6,7 @@ an adapter-only save with its base) through the safe loader, memory-mapped, and 
 refuses, before any output exists, a model that is not CogVLM/CogAgent, a key the model does not have
 (or one it lacks), a tensor whose shape disagrees with the config. :meth:`SatCheckpoint.tensor` then gives
 one full-size (MP=1) tensor at a time, LoRA folded in (``W += scaling * B_i @ A_i`` per stacked part, the
-arithmetic of ``python -m sat_patches.merge``), a view of the mapped file where nothing needs joining.
+arithmetic of ``python -m sat_patches merge``), a view of the mapped file where nothing needs joining.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class SatCheckpoint:
                 if m:
                     if source is not self.own:
                         raise ExportError(f"{self.path}: its base {self.base.ckpt.path} holds LoRA matrices ('{key}'): "
-                                          f"merge the base first (python -m sat_patches.merge) and train from that")
+                                          f"merge the base first (python -m sat_patches merge) and train from that")
                     self.loras.setdefault(m.group("path"), []).append(key)
                     continue
                 name = canonical(key)

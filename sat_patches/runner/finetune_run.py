@@ -10,7 +10,7 @@ Four modes, chosen in this order:
   shards are checked and the merged model is reloaded;
 - checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
   options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
-- GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
+- GPU standalone: GPUs are visible: our ``sat_patches finetune train`` runs under DeepSpeed on
   ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
 - CPU demo (no GPU, or ``CPU_RANKS`` set): a tiny randomly initialised model of the same architecture
   on generated coloured shapes, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
@@ -52,7 +52,7 @@ DEFAULTS = {
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
     "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
     "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
-    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches.evaluate)
+    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches evaluate)
     "SAVE_ADAPTER_ONLY": "",  # 1: saves hold the LoRA adapters and name the base; 0: the whole model; empty: 1 when
                               # only LoRA trains on a loaded base
 }
@@ -209,7 +209,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     opts += resume_options(env)
-    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches.evaluate)
+    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches evaluate)
         opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
@@ -240,7 +240,7 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     if checkout:
         program = [os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)]
     else:
-        program = ["-m", "sat_patches.finetune", "train", "--kind", kind]
+        program = ["-m", "sat_patches", "finetune", "train", "--kind", kind]
     return [deepspeed_command(env, program, train_options(env))]
 
 
@@ -265,17 +265,17 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
         if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
             options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
     commands = [
-        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
+        [py, "-m", "sat_patches", "finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
-         "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
-        [py, "-m", "sat_patches.merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
-        [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
+         "-m", "sat_patches.launch", "-m", "sat_patches", "finetune", "train", "--kind", kind, *options],
+        [py, "-m", "sat_patches", "merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
+        [py, "-m", "sat_patches", "finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
     ]
     # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
-    commands.append([py, "-m", "sat_patches.export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
+    commands.append([py, "-m", "sat_patches", "export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
     return commands
 
 
