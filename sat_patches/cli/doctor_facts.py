@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import sat_patches
 
 from ..core.registry import VERIFIED_SAT
-from ..planning import estimator as plan
+from ..planning import memory, search, shapes
 
 
 @dataclass
@@ -138,12 +138,12 @@ def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optio
     if not gpus or not gpu_mem:
         facts.host_needed_note = ""
         return
-    config = plan.resolve_model(model)
-    best = plan.recommend(plan.options(config, gpus, gpu_mem, seq_len=plan.default_seq_len(config)))
+    config = shapes.resolve_model(model)
+    best = search.recommend(search.options(config, gpus, gpu_mem, seq_len=shapes.default_seq_len(config)))
     if best is None:
         facts.host_needed_note = f" (no plan fits {gpus} x {gpu_mem:g} GB for {model})"
         return
     e = best.estimate
-    facts.host_needed_gb = e.host_node / plan.GB
+    facts.host_needed_gb = e.host_node / memory.GB
     facts.host_needed_note = (f" for {model} at MP_SIZE={e.setup.mp} (stock SwissArmyTransformer {VERIFIED_SAT} without sat_patches: "
-                              f"~{e.host_stock_node / plan.GB:.0f} GB)")
+                              f"~{e.host_stock_node / memory.GB:.0f} GB)")

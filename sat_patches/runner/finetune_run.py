@@ -36,7 +36,8 @@ from ..cogvlm.config import tiny_config
 from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
-from ..planning import estimator as plan
+from ..planning import realise, search, shapes
+from ..planning.memory import Setup
 from . import cpu_ranks, one_process
 from .finetune_check import check, config_path, data_errors, visible_gpus
 
@@ -114,7 +115,7 @@ def read_config(name: str) -> dict:
         return json.load(f)
 
 
-def planned(env: Dict[str, str], config: dict) -> Optional[plan.Setup]:
+def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
     """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE`` and the
     DeepSpeed config's ZeRO stage and offload (and ``MICRO_BATCH``, ``CHECKPOINT_SKIP_LAYERS`` where set): the
     fastest that fits, on the card assumed from the GPUs' memory. None where the plan cannot tell (no GPU
@@ -123,21 +124,21 @@ def planned(env: Dict[str, str], config: dict) -> Optional[plan.Setup]:
     if memory is None:
         return None
     try:
-        model = plan.resolve_model(env["MODEL_TYPE"])
+        model = shapes.resolve_model(env["MODEL_TYPE"])
     except SystemExit:  # a model the plan does not know: the config's micro-batch, every layer checkpointed
         return None
     zero = config.get("zero_optimization", {})
     given = {k: int(env[k]) for k in ("MICRO_BATCH", "CHECKPOINT_SKIP_LAYERS") if env.get(k)}
-    opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
+    opts = search.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
                         zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
                         micro_batch=given.get("MICRO_BATCH"), checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"),
                         seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
                         qlora=env.get("QLORA") == "1", checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
-    best = plan.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
+    best = search.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
     return best.estimate.setup if best else None
 
 
-def checkpoint_options(env: Dict[str, str], choice: Optional[plan.Setup]) -> List[str]:
+def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str]:
     """``CHECKPOINT_ACTIVATIONS=1``: checkpointing (SAT's ``--checkpoint-activations``, upstream's
     ``--vit_checkpoint_activations`` for EVA) except the last ``CHECKPOINT_SKIP_LAYERS`` language layers (SAT's
     ``--checkpoint-skip-layers``); by default what the plan chose, which may be none at all where everything fits,
@@ -147,11 +148,11 @@ def checkpoint_options(env: Dict[str, str], choice: Optional[plan.Setup]) -> Lis
     if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
         return []
     if env.get("CHECKPOINT_SKIP_LAYERS"):
-        choice = plan.Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
-    return plan.checkpoint_options(choice or plan.Setup())
+        choice = Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
+    return realise.checkpoint_options(choice or Setup())
 
 
-def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[plan.Setup] = None) -> str:
+def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
     """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
     ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's ``choice`` for the detected GPUs, else the
     config's own) is written into a copy saved beside the run's checkpoints."""
