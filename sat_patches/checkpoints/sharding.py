@@ -54,7 +54,6 @@ class Split:
     blocks: Tuple[int, ...] = (1,)
 
 
-REPLICATED = None
 SplitRule = Callable[[torch.nn.Module, str, str], Optional[Split]]
 _split_rules: List[SplitRule] = []
 

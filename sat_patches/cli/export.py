@@ -11,9 +11,6 @@ import argparse
 import sys
 from typing import List, Optional
 
-VERBS = ("hf", "peft", "import-hf")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sat-patches export",
                                 description="CogVLM / CogAgent between SAT checkpoints and the Hugging Face layout")
