@@ -23,7 +23,8 @@ import torch.distributed as dist
 from sat import mpu
 
 from ..checkpoints import adapter
-from ..checkpoints.files import CheckpointError, find_checkpoint, read_model_config
+from ..checkpoints.files import CheckpointError, find_checkpoint
+from ..checkpoints.model_config import read_model_config
 from ..checkpoints.loading import load_checkpoint
 from ..checkpoints.merge import model_class
 from ..checkpoints.writer import write_text_atomic

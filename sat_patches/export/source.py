@@ -19,6 +19,7 @@ import torch
 
 from ..checkpoints import files, sharding
 from ..checkpoints.files import CheckpointError
+from ..checkpoints.model_config import read_model_config
 from ..cogvlm.on_meta import build_on_meta
 from ..lora.layer import add_lora_product
 from ..checkpoints.merge import adapter_base
@@ -64,7 +65,7 @@ class SatCheckpoint:
     def __init__(self, path: str, iteration: Optional[int] = None, lora_alpha: float = 1.0):
         self.path = path
         self.ckpt = files.find_checkpoint(path, iteration)
-        self.config = files.read_model_config(path, need_class=True)
+        self.config = read_model_config(path, need_class=True)
         if self.config["model_class"].replace("FineTuneTrain", "") not in names.MODELS:
             raise ExportError(f"{path}: model_class {self.config['model_class']} (model_config.json) is not CogVLM "
                               f"or CogAgent ({', '.join(names.MODELS)}): only these have a Hugging Face layout here")
