@@ -32,7 +32,7 @@ def layer_table() -> bool:
     import torch
     from sat_patches.cogvlm import prepare_tiny_run
     from sat_patches.testing import run_ranks
-    from sat_patches.planning import estimator as plan
+    from sat_patches.planning import memory
     with tempfile.TemporaryDirectory(prefix="satp-calibration-") as tmp:
         tiny = prepare_tiny_run(tmp, "cogvlm", n_train=1, n_valid=1)
         shapes = [(h, f, heads, t, getattr(torch, d)) for h, f, heads, t, d in LAYERS]
@@ -43,7 +43,7 @@ def layer_table() -> bool:
     print(f"\n{'real CPU language layer (hidden, ffn, heads, tokens, dtype)':<60}{HEADER_MB}")
     ok = True
     for (h, f, heads, t, d), measured in zip(LAYERS, r.result):
-        planned = plan.LANGUAGE_LAYER.bytes(t, h, f, heads, 1, 2 if d == "bfloat16" else 4)
+        planned = memory.LANGUAGE_LAYER.bytes(t, h, f, heads, 1, 2 if d == "bfloat16" else 4)
         ok &= abs(planned / measured - 1) <= 0.15
         print(f"{str((h, f, heads, t, d)):<60}{measured / 1e6:>12.3f}{planned / 1e6:>10.3f}{planned / measured:>8.3f}")
     return ok
@@ -89,15 +89,15 @@ def full_size_tables() -> bool:
 
 def main() -> int:
     from live_bytes import head_and_loss_peak
-    from sat_patches.planning import estimator as plan
+    from sat_patches.planning import memory, shapes
     print(f"{'model':<18}{'MP':>4}{'tokens':>8}{'measured GB':>13}{'plan GB':>10}{'plan / measured':>17}")
     ok = True
     for name in ("cogvlm-base-490", "cogagent-chat"):
-        config = plan.resolve_model(name)
-        tokens = plan.default_seq_len(config)
+        config = shapes.resolve_model(name)
+        tokens = shapes.default_seq_len(config)
         for mp in (1, 2, 4):
             measured = head_and_loss_peak(mp, tokens, config["hidden_size"], config["vocab_size"])
-            planned = plan.estimate(config, plan.Setup(mp=mp, micro_batch=1, seq_len=tokens)).device["logits and loss"]
+            planned = memory.estimate(config, memory.Setup(mp=mp, micro_batch=1, seq_len=tokens)).device["logits and loss"]
             ok &= abs(planned / measured - 1) <= 0.15
             ratio = planned / measured
             print(f"{name:<18}{mp:>4}{tokens:>8}{measured / 1e9:>13.3f}{planned / 1e9:>10.3f}{ratio:>17.3f}")

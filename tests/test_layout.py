@@ -140,7 +140,7 @@ def test_the_command_line_starts_without_torch_or_sat():
 
 # what users and our entry points import first: the entry points, the packages, what they import by name, and
 # library modules that import SAT and that the patch modules import (the patches wait until they are done)
-FIRST_IMPORTS = ["sat_patches.merge", "sat_patches.export.hf", "sat_patches.lora.layer", "sat_patches.cogvlm.saving",
+FIRST_IMPORTS = ["sat_patches.checkpoints.merge", "sat_patches.export.hf", "sat_patches.lora.layer", "sat_patches.cogvlm.saving",
                  "sat_patches.testing.tiny_lora", "sat_patches.checkpoints.loading", "sat_patches.checkpoints.saving"]
 
 

@@ -27,7 +27,7 @@ PLAN_TERMS = {"language": "activations (language)", "eva": "activations (EVA)", 
 
 def released_layers(config: dict) -> Dict[str, int]:
     """How many layers of each kind the model of ``config`` has (CogAgent's encoder: the code's default)."""
-    from sat_patches.planning.estimator import plan_config
+    from sat_patches.planning.shapes import plan_config
     c = plan_config(config)
     return {"language": c["num_layers"], "eva": c["eva_args"]["num_layers"],
             "encoder": c.get("encoder_args", {}).get("layers", 1)}
@@ -102,7 +102,7 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     ``remember_outputs=False``: every meta kernel runs (:class:`.meta_values.MetaValues`)."""
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.runtime import devices
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     from sat_patches.cogvlm.on_meta import build_on_meta, collectives_as_shapes, model_parallel_as
     from live_bytes import LiveBytes
     from meta_values import MetaValues
@@ -150,11 +150,11 @@ def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str,
     for the model :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's
     ``--train``."""
     import copy
-    from sat_patches.planning import estimator as plan
-    c = _with_layers(copy.deepcopy(plan.plan_config(config)), layers)
-    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=plan.default_seq_len(c), checkpoint_activations=checkpoint,
+    from sat_patches.planning import memory, shapes
+    c = _with_layers(copy.deepcopy(shapes.plan_config(config)), layers)
+    setup = memory.Setup(mp=mp, micro_batch=1, seq_len=shapes.default_seq_len(c), checkpoint_activations=checkpoint,
                        train=train)
-    return {term: value for term, value in plan.estimate(c, setup).device.items()
+    return {term: value for term, value in memory.estimate(c, setup).device.items()
             if term.startswith(("activations", "logits"))}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-from sat_patches.planning.estimator import plan_config
+from sat_patches.planning.shapes import plan_config
 from sat_patches.planning.timing import forward_passes
 
 PEER = "HF + PEFT"              # the released model's own HF code with PEFT's LoRA

@@ -187,10 +187,10 @@ def planned_allocated(config: dict, seq_len: int) -> float:
     """The plan's per-GPU bytes for this run at MP=2 (the script's ZeRO-2 config, micro-batch 1, every layer
     checkpointed, LoRA r=10 and what upstream's demo trains) that PyTorch's allocator holds: less the CUDA
     context."""
-    from sat_patches.planning import estimator as plan
-    setup = plan.Setup(gpus=MP, mp=MP, zero=2, micro_batch=MICRO_BATCH, seq_len=seq_len, lora_rank=10, train="demo",
+    from sat_patches.planning import memory, shapes
+    setup = memory.Setup(gpus=MP, mp=MP, zero=2, micro_batch=MICRO_BATCH, seq_len=seq_len, lora_rank=10, train="demo",
                        checkpoint_skip_layers=0)
-    est = plan.estimate(plan.plan_config(config), setup)
+    est = memory.estimate(shapes.plan_config(config), setup)
     return est.per_gpu - est.device.get("CUDA context, NCCL, allocator", 0)
 
 
@@ -342,7 +342,7 @@ def prepare_model(rec: Recorder, checkout: str, work: str, config: dict) -> bool
 
 
 def _user_path(rec: Recorder, tiny: bool, checkout: str, work: str) -> None:
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     with rec.check("sat-patches scripts CHECKOUT/finetune_demo") as row:
         copy = with_script(checkout, work)
         row.measured = os.path.join("finetune_demo", SCRIPT)
@@ -461,7 +461,7 @@ def whole(rec: Recorder, tiny: bool, checkout, scratch: str) -> None:
         if why:
             raise Skip(why)
         import torch
-        from sat_patches.planning.estimator import default_seq_len, plan_config
+        from sat_patches.planning.shapes import default_seq_len, plan_config
         config = model_config(full_depth=True)
         seq_len = default_seq_len(plan_config(config))
         planned = planned_allocated(config, seq_len)

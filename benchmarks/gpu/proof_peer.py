@@ -188,7 +188,7 @@ def run(rec: Recorder, tiny: bool, hf_code) -> None:
     """Part p."""
     import peer_figures as figures
     import proof_steps as steps
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     with rec.check("peer: the released model's HF code + PEFT beside SAT + sat_patches") as row:
         why = missing(hf_code)
         if why:

@@ -77,8 +77,9 @@ def make_exports(work: str, tiny: bool, hf_code: str, dev) -> dict:
     import torch
     import proof_steps as steps
     from sat_patches.cogvlm.saving import save_pretrained_dir
-    from sat_patches.export.api import export_hf, export_peft
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.export.hf import export_hf
+    from sat_patches.export.peft import export_peft
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     config = model_config(tiny)
     dtype = torch.float32 if tiny else torch.bfloat16
     torch.manual_seed(0)

@@ -162,10 +162,10 @@ def plan_row(config: dict, gpu_gb: int, qlora: bool, tokens: int):
     """The plan's recommended option for one GPU of ``gpu_gb`` (the scripts' LoRA settings), and the bytes
     of it that PyTorch's allocator holds: the per-GPU figure less the CUDA context and DeepSpeed's ZeRO
     buckets (the proof's step uses plain AdamW, no DeepSpeed engine)."""
-    from sat_patches.planning import estimator as plan
-    options = plan.options(plan.plan_config(config), 1, gpu_gb, qlora=qlora, train="lora", seq_len=tokens,
+    from sat_patches.planning import search, shapes
+    options = search.options(shapes.plan_config(config), 1, gpu_gb, qlora=qlora, train="lora", seq_len=tokens,
                            lora_rank=LORA_RANK)
-    best = plan.recommend(options) or min(options, key=lambda o: o.estimate.per_gpu)
+    best = search.recommend(options) or min(options, key=lambda o: o.estimate.per_gpu)
     est = best.estimate
     allocated = est.per_gpu - est.device.get("CUDA context, NCCL, allocator", 0) - est.device.get("ZeRO buckets", 0)
     return best, allocated
@@ -245,7 +245,7 @@ def full_size_steps(rec: Recorder, tiny: bool) -> None:
 
 def _plan_for_part_a(rec: Recorder, kind: str, tiny: bool):
     """(config, name, tokens, micro-batch, planned allocated bytes) of ``kind``, with the plan's row recorded."""
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     config = tiny_config(kind) if tiny else full_config(kind)
     tokens = default_seq_len(plan_config(config))
     best, planned = plan_row(config, GPU_GB["a"], False, tokens)
@@ -283,7 +283,7 @@ def qlora(rec: Recorder, tiny: bool, scratch: str) -> None:
     """Part b."""
     import torch
     from sat_patches.cogvlm.saving import save_pretrained_dir
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     dev = device()
     config = tiny_config("cogvlm") if tiny else full_config("cogvlm")
     tokens = default_seq_len(plan_config(config))

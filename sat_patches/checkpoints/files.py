@@ -14,8 +14,7 @@ from typing import List, Optional, Tuple
 
 
 from . import safe_load
-from .model_config import (REQUIRED_CONFIG, SIZE_LIMITS, CheckpointError, check_model_config,  # noqa: F401
-                           read_model_config)
+from .model_config import SIZE_LIMITS, CheckpointError
 
 
 

@@ -22,7 +22,8 @@ from sat.resources import auto_create
 from sat.training import model_io
 
 from ..checkpoints import adapter, safe_load
-from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint, read_model_config
+from ..checkpoints.files import Checkpoint, CheckpointError, find_checkpoint
+from ..checkpoints.model_config import read_model_config
 from ..checkpoints.lora_names import is_adapter
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device,

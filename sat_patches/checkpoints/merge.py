@@ -1,5 +1,5 @@
 """Merge a model-parallel LoRA checkpoint into one MP=1 checkpoint with the LoRA folded in
-(``sat-patches merge`` / ``python -m sat_patches.merge`` on the command line, :mod:`sat_patches.cli.merge`).
+(``sat-patches merge`` / ``python -m sat_patches merge`` on the command line, :mod:`sat_patches.cli.merge`).
 
 One process, no GPU: each tensor is read from the memory-mapped shards, the model-parallel slices
 are joined (ColumnParallel by stride, RowParallel by input, vocabulary by rows; LoRA's ``matrix_A``/
@@ -28,6 +28,7 @@ from sat.model.registry import model_registry
 from . import adapter, files, sharding, writer
 from .files import CheckpointError
 from .lora_names import FACTOR_A, FACTOR_B, is_adapter, lora_layers
+from .model_config import read_model_config
 from .state import load_state, meta_tensors
 from ..core import coordination
 from ..lora.layer import is_lora_layer
@@ -128,7 +129,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     if os.path.exists(out_dir) and not overwrite:
         raise MergeError(f"{out_dir} exists; choose a new OUTPUT_DIR or pass --overwrite")
     ckpt = files.find_checkpoint(checkpoint, iteration)
-    config = files.read_model_config(checkpoint, need_class=True)
+    config = read_model_config(checkpoint, need_class=True)
     with coordination.stage(f"reading {ckpt.mp_size} shard(s) of {checkpoint}"):
         source = sharding.ShardedSource(ckpt)
     state = source.state[0]

@@ -32,7 +32,7 @@ from .lora_names import FACTOR_A, FACTOR_B, factor_key
 
 CHUNK_BYTES = int(settings.read("SAT_PATCHES_LOAD_CHUNK_MB") * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
-MERGE_COMMAND = "python -m sat_patches.merge"
+MERGE_COMMAND = "python -m sat_patches merge"
 ZERO_COPY = "SAT_PATCHES_LOAD_ZERO_COPY"
 
 
@@ -54,7 +54,6 @@ class Split:
     blocks: Tuple[int, ...] = (1,)
 
 
-REPLICATED = None
 SplitRule = Callable[[torch.nn.Module, str, str], Optional[Split]]
 _split_rules: List[SplitRule] = []
 

@@ -4,7 +4,7 @@ meta, each rank reading only its own slices of the memory-mapped shards
 mapped file's own, not a copy); and the random states a checkpoint saved.
 
 Used by :mod:`sat_patches.checkpoints.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
-:mod:`sat_patches.checkpoints.resume` and by ``python -m sat_patches.merge``.
+:mod:`sat_patches.checkpoints.resume` and by ``python -m sat_patches merge``.
 """
 from __future__ import annotations
 

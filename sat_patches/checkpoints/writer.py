@@ -8,7 +8,7 @@ directory, whole; what the user had there is removed only once the new one is co
 files (``latest``, ``model_config.json``) are replaced the same way (:func:`write_text_atomic`).
 
 Used by the atomic checkpoint save (:mod:`sat_patches.checkpoints.publish`), by
-``python -m sat_patches.merge`` and by :func:`sat_patches.cogvlm.config.save_pretrained_dir`.
+``python -m sat_patches merge`` and by :func:`sat_patches.cogvlm.config.save_pretrained_dir`.
 """
 from __future__ import annotations
 

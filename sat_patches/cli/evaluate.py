@@ -1,8 +1,8 @@
 """``sat-patches evaluate CKPT DATA --local_tokenizer TOKENIZER [--mp N] [--out DIR]`` (also ``python -m
-sat_patches.evaluate``): every sample of DATA answered by the saved model, scored, written out
+sat_patches evaluate``): every sample of DATA answered by the saved model, scored, written out
 (:mod:`sat_patches.cogvlm.evaluation`). On several ranks::
 
-    torchrun --nproc-per-node 4 -m sat_patches.launch -m sat_patches.evaluate CKPT DATA --mp 2 ...
+    torchrun --nproc-per-node 4 -m sat_patches.launch -m sat_patches evaluate CKPT DATA --mp 2 ...
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``sat-patches export hf CKPT OUT`` / ``export peft ADAPTER OUT`` and ``sat-patches import hf HF_DIR OUT --mp N``
-(also ``python -m sat_patches.export hf|peft|import-hf ...``): :mod:`sat_patches.export` on the command line.
+(also ``python -m sat_patches export hf|peft ...``): :mod:`sat_patches.export` on the command line.
 
 :func:`main` takes the verb and its arguments (``hf``, ``peft``, ``import-hf``); :func:`import_main` is
 ``sat-patches import hf``. Errors print one line saying what to change
@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import List, Optional
-
-VERBS = ("hf", "peft", "import-hf")
-
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sat-patches export",
@@ -46,23 +43,24 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
-    from ..export import api  # torch and SAT: only once a conversion is asked for (the CLI starts without them)
+    from ..checkpoints import files, safe_load  # torch and SAT: only once a conversion is asked for
+    from ..export import hf, importer, peft  # (as above: the CLI starts without them)
     try:
         if a.verb == "hf":
-            info = api.export_hf(a.checkpoint, a.output, a.iteration, a.lora_alpha, int(a.max_shard_size * 10**6),
-                             a.overwrite, a.hf_code)
+            info = hf.export_hf(a.checkpoint, a.output, a.iteration, a.lora_alpha, int(a.max_shard_size * 10**6),
+                                a.overwrite, a.hf_code)
             print(f"exported {info['model_class']} ({info['tensors']} tensors, {info['bytes'] / 1e9:.2f} GB in "
                   f"{info['shards']} shard(s), from {info['mp_size']} model-parallel shard(s), "
                   f"{info['lora_layers']} LoRA layer(s) folded) to {a.output}")
         elif a.verb == "peft":
-            info = api.export_peft(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite, a.base_model)
+            info = peft.export_peft(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite, a.base_model)
             print(f"exported the LoRA of {info['layers']} layer(s) (rank {info['rank']}; {info['fused']} fused "
                   f"qkv/kv as one LoRA of rank partition x r) to {a.output}")
         else:
-            info = api.import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
+            info = importer.import_hf(a.hf_dir, a.output, a.mp, a.overwrite)
             print(f"imported {info['model_class']} ({info['tensors']} tensors) into {a.output} at model-parallel "
                   f"size {info['mp_size']}")
-    except (api.CheckpointError, api.UnsafeCheckpointError) as exc:
+    except (files.CheckpointError, safe_load.UnsafeCheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -1,8 +1,8 @@
-"""``sat-patches finetune prepare|train|verify`` (also ``python -m sat_patches.finetune``): standalone CogVLM /
+"""``sat-patches finetune prepare|train|verify`` (also ``python -m sat_patches finetune``): standalone CogVLM /
 CogAgent LoRA fine-tuning on SAT, no CogVLM checkout needed (:mod:`sat_patches.cogvlm.standalone`)::
 
     sat-patches finetune prepare --kind cogvlm --workdir RUN     # tiny model/tokenizer/data
-    torchrun --nproc-per-node 2 -m sat_patches.launch -m sat_patches.finetune train --kind cogvlm \\
+    torchrun --nproc-per-node 2 -m sat_patches.launch -m sat_patches finetune train --kind cogvlm \\
         --from_pretrained RUN/model --local_tokenizer RUN/tokenizer --train-data RUN/data/train ...
     sat-patches merge CHECKPOINT RUN/merged                      # MP=N + LoRA -> MP=1
     sat-patches finetune verify --kind cogvlm --probe RUN/probe.pt --merged RUN/merged --local_tokenizer RUN/tokenizer

@@ -4,7 +4,7 @@
 Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
 this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
 (which looks at torch, CUDA and the patches) import them when they run, as do ``merge``, ``evaluate``,
-``finetune`` and ``export`` (each also ``python -m sat_patches.<verb>``).
+``finetune`` and ``export`` (each also ``python -m sat_patches <verb>``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``sat-patches merge CHECKPOINT OUTPUT`` (also ``python -m sat_patches.merge``): a model-parallel LoRA checkpoint
+"""``sat-patches merge CHECKPOINT OUTPUT`` (also ``python -m sat_patches merge``): a model-parallel LoRA checkpoint
 as one MP=1 checkpoint with the LoRA folded in (:mod:`sat_patches.checkpoints.merge`)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``sat-patches plan``: what fits a box (GPUs, their memory, host memory) for CogVLM / CogAgent, as a table, a
-recommendation, the scripts' settings and a DeepSpeed config; the figures are :mod:`sat_patches.planning.estimator`'s."""
+recommendation, the scripts' settings and a DeepSpeed config; the figures are :mod:`sat_patches.planning`'s."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +8,10 @@ import sys
 from typing import List, Optional
 
 from ..core.registry import VERIFIED_SAT
-from ..planning.estimator import (GB, MODELS, Option, _preference, checkpoint_options, deepspeed_config,
-                                  default_seq_len, model_parts, options, parameter_count, recommend, resolve_model,
-                                  script_settings,)
+from ..planning.memory import GB
+from ..planning.realise import checkpoint_options, deepspeed_config, script_settings
+from ..planning.search import Option, _preference, options, recommend
+from ..planning.shapes import MODELS, default_seq_len, model_parts, parameter_count, resolve_model
 from ..planning.timing import CARDS, card
 
 

@@ -1,5 +1,5 @@
 """Evaluation by generation: every sample of a data set answered by a saved model, scored, written out
-(``sat-patches evaluate`` / ``python -m sat_patches.evaluate`` on the command line, :mod:`sat_patches.cli.evaluate`).
+(``sat-patches evaluate`` / ``python -m sat_patches evaluate`` on the command line, :mod:`sat_patches.cli.evaluate`).
 
 SAT's evaluation is the loss on ``--eval-iters`` batches, and upstream's generation metric sees a handful
 of samples (THUDM/CogVLM#510 "loss 0, PPL 1, acc 0.05", THUDM/CogVLM#552 "only 24 images evaluated"). Here
@@ -23,7 +23,8 @@ import torch.distributed as dist
 from sat import mpu
 
 from ..checkpoints import adapter
-from ..checkpoints.files import CheckpointError, find_checkpoint, read_model_config
+from ..checkpoints.files import CheckpointError, find_checkpoint
+from ..checkpoints.model_config import read_model_config
 from ..checkpoints.loading import load_checkpoint
 from ..checkpoints.merge import model_class
 from ..checkpoints.writer import write_text_atomic

@@ -1,5 +1,5 @@
 """Standalone CogVLM / CogAgent LoRA fine-tuning on SAT (no CogVLM checkout needed): ``sat-patches finetune
-prepare|train|verify`` (also ``python -m sat_patches.finetune``, :mod:`sat_patches.cli.finetune`).
+prepare|train|verify`` (also ``python -m sat_patches finetune``, :mod:`sat_patches.cli.finetune`).
 
 Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (same options, data layout,
 loss and LoRA placement) on the models of :mod:`sat_patches.cogvlm`. :func:`train` is what every rank
@@ -41,7 +41,7 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     p.add_argument("--probe", default=None, help="after training, save logits on one validation batch here")
     p.add_argument("--evaluate", default=None, metavar="DIR",
                    help="after training, answer every validation sample and write predictions.jsonl and "
-                        "summary.json into DIR (sat_patches.evaluate)")
+                        "summary.json into DIR (sat-patches evaluate)")
     p.add_argument("--evaluate-before", default=None, metavar="DIR",
                    help="before training, the same with the untrained model (the baseline), into DIR")
     p.add_argument("--evaluate-max-new-tokens", type=int, default=16, metavar="N",

@@ -1,6 +1,6 @@
 """Training CogVLM / CogAgent on SAT as upstream's finetune demos do: the batch (broadcast over the model-parallel
 group), the loss on the answer tokens, what trains beside LoRA, the processors and LoRA placement. Used by
-``python -m sat_patches.finetune``, by evaluation and by a fork's demo through the test suite's stand-in checkout.
+``python -m sat_patches finetune``, by evaluation and by a fork's demo through the test suite's stand-in checkout.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ loaded modules that it rebound, so :func:`unpatch_all` can put each one back.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
 import inspect
@@ -60,6 +61,17 @@ def expect_params(*params: str) -> Callable[[Any], Optional[str]]:
         missing = [p for p in params if p not in have]
         return f"its signature lacks {', '.join(missing)}" if missing else None
     return check
+
+
+def delegate(func: Callable, with_original: bool = True) -> Callable[[Any], Any]:
+    """A patch's ``make`` for a target that our library function ``func`` serves: the target becomes a wrapper
+    (with the original's name and docstring) that returns ``func(original, *args, **kwargs)``, or
+    ``func(*args, **kwargs)`` where ``func`` replaces the original outright (``with_original=False``)."""
+    def make(original):
+        def replacement(*args, **kwargs):
+            return func(original, *args, **kwargs) if with_original else func(*args, **kwargs)
+        return functools.wraps(original)(replacement)
+    return make
 
 
 @dataclass

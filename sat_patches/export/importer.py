@@ -16,8 +16,9 @@ from typing import Dict
 import torch
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 
-from ..checkpoints import files, sharding, writer
+from ..checkpoints import sharding, writer
 from ..checkpoints.files import CheckpointError
+from ..checkpoints.model_config import check_model_config
 from . import names, stream
 from .source import ExportError, build_meta
 
@@ -86,7 +87,7 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
                     "model-*.safetensors) of CogVLM or CogAgent")
     try:
         config = names.sat_config(hf, mp)
-        files.check_model_config(config, os.path.join(hf_dir, "config.json"))
+        check_model_config(config, os.path.join(hf_dir, "config.json"))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise

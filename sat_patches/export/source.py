@@ -6,7 +6,7 @@ an adapter-only save with its base) through the safe loader, memory-mapped, and 
 refuses, before any output exists, a model that is not CogVLM/CogAgent, a key the model does not have
 (or one it lacks), a tensor whose shape disagrees with the config. :meth:`SatCheckpoint.tensor` then gives
 one full-size (MP=1) tensor at a time, LoRA folded in (``W += scaling * B_i @ A_i`` per stacked part, the
-arithmetic of ``python -m sat_patches.merge``), a view of the mapped file where nothing needs joining.
+arithmetic of ``python -m sat_patches merge``), a view of the mapped file where nothing needs joining.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from ..checkpoints import files, sharding
 from ..checkpoints.files import CheckpointError
+from ..checkpoints.model_config import read_model_config
 from ..cogvlm.on_meta import build_on_meta
 from ..lora.layer import add_lora_product
 from ..checkpoints.merge import adapter_base
@@ -64,7 +65,7 @@ class SatCheckpoint:
     def __init__(self, path: str, iteration: Optional[int] = None, lora_alpha: float = 1.0):
         self.path = path
         self.ckpt = files.find_checkpoint(path, iteration)
-        self.config = files.read_model_config(path, need_class=True)
+        self.config = read_model_config(path, need_class=True)
         if self.config["model_class"].replace("FineTuneTrain", "") not in names.MODELS:
             raise ExportError(f"{path}: model_class {self.config['model_class']} (model_config.json) is not CogVLM "
                               f"or CogAgent ({', '.join(names.MODELS)}): only these have a Hugging Face layout here")
@@ -87,7 +88,7 @@ class SatCheckpoint:
                 if m:
                     if source is not self.own:
                         raise ExportError(f"{self.path}: its base {self.base.ckpt.path} holds LoRA matrices ('{key}'): "
-                                          f"merge the base first (python -m sat_patches.merge) and train from that")
+                                          f"merge the base first (python -m sat_patches merge) and train from that")
                     self.loras.setdefault(m.group("path"), []).append(key)
                     continue
                 name = canonical(key)

@@ -9,22 +9,12 @@
 """
 from __future__ import annotations
 
-import functools
-
 from ..checkpoints.saving import save_adapter_only
-from ..core.registry import Patch, expect_names
-
-
-def _save_ds_checkpoint_no_optim(original):
-    """sat/training/model_io.py save_ds_checkpoint_no_optim: every save holds the whole model."""
-    @functools.wraps(original)
-    def save_ds_checkpoint_no_optim(*args, **kwargs):
-        return save_adapter_only(original, *args, **kwargs)
-    return save_ds_checkpoint_no_optim
+from ..core.registry import Patch, delegate, expect_names
 
 
 PATCHES = [
-    Patch("save_adapter_only", "sat.training.model_io:save_ds_checkpoint_no_optim", _save_ds_checkpoint_no_optim,
+    Patch("save_adapter_only", "sat.training.model_io:save_ds_checkpoint_no_optim", delegate(save_adapter_only),
           answers="THUDM/CogVLM#303, THUDM/CogVideo#244: every save of a LoRA run holds the whole model; now its "
                   "adapters and a manifest naming the base",
           expect=expect_names("_save_checkpoint")),

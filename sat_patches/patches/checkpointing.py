@@ -27,22 +27,12 @@ Assumes ``<save>`` is one filesystem seen by every rank (as SAT's own ``latest``
 """
 from __future__ import annotations
 
-import functools
-
 from ..checkpoints.saving import save_checkpoint_staged
-from ..core.registry import Patch, expect_names
-
-
-def _save_checkpoint(original):
-    """SAT's save_checkpoint writes shards and ``latest`` in place (THUDM/CogVLM#283, THUDM/CogVLM#320)."""
-    @functools.wraps(original)
-    def save_checkpoint(*args, **kwargs):
-        return save_checkpoint_staged(original, *args, **kwargs)
-    return save_checkpoint
+from ..core.registry import Patch, delegate, expect_names
 
 
 PATCHES = [
-    Patch("atomic_checkpoint_save", "sat.training.model_io:save_checkpoint", _save_checkpoint,
+    Patch("atomic_checkpoint_save", "sat.training.model_io:save_checkpoint", delegate(save_checkpoint_staged),
           answers="THUDM/CogVLM#283, #320 (ranks killed with kill -9): a rank killed mid-save left 'latest' "
                   "naming an iteration with missing/truncated MP shards; saves are now staged and renamed",
           expect=expect_names("save_ds_checkpoint", "get_checkpoint_tracker_filename", "barrier")),

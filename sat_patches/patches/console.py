@@ -20,24 +20,8 @@ import functools
 
 import torch
 
-from ..core.registry import Patch, expect_params
+from ..core.registry import Patch, delegate, expect_params
 from ..diagnostics.console import log_timers_to_file, print_args_to_file
-
-
-def _print_args(original):
-    """SAT's print_args: ~120 argument lines on the console."""
-    @functools.wraps(original)
-    def print_args(*args, **kwargs):
-        return print_args_to_file(original, *args, **kwargs)
-    return print_args
-
-
-def _timers_log(original):
-    """SAT's Timers.log: a timer line per log interval on the console."""
-    @functools.wraps(original)
-    def log(self, names, normalizer=1.0, reset=True):
-        return log_timers_to_file(original, self, names, normalizer, reset)
-    return log
 
 
 def _report_memory(original):
@@ -49,11 +33,11 @@ def _report_memory(original):
 
 
 PATCHES = [
-    Patch("sat_console_to_files", "sat.training.deepspeed_training:print_args", _print_args,
+    Patch("sat_console_to_files", "sat.training.deepspeed_training:print_args", delegate(print_args_to_file),
           answers="SAT prints ~120 argument lines at the start of every run; here they go to arguments.txt in "
                   "the run directory and the console gets one line",
           expect=expect_params("args")),
-    Patch("timers_to_step_times", "sat.training.utils:Timers.log", _timers_log,
+    Patch("timers_to_step_times", "sat.training.utils:Timers.log", delegate(log_timers_to_file),
           answers="SAT prints a 'time (ms) | forward ...' line per log interval between the progress lines; here "
                   "the values go to step_times.csv in the run directory",
           expect=expect_params("self", "names", "normalizer", "reset")),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from ..checkpoints import saving
-from ..core.registry import Patch, expect_names
+from ..core.registry import Patch, delegate, expect_names
 from ..runtime import collectives
 from ..runtime.devices import start_timer, stop_timer
 
@@ -28,22 +28,6 @@ def _timer_method(original):
     return method
 
 
-def _broadcast_data(original):
-    """``mpu.broadcast_data`` packs on ``torch.cuda.current_device()`` (sat/mpu/data.py)."""
-    @functools.wraps(original)
-    def broadcast_data(*args, **kwargs):
-        return collectives.broadcast_data(*args, **kwargs)
-    return broadcast_data
-
-
-def _save_ds_checkpoint(original):
-    """sat/training/model_io.py save_ds_checkpoint: ``torch.cuda.get_rng_state()`` on every save."""
-    @functools.wraps(original)
-    def save_ds_checkpoint(*args, **kwargs):
-        return saving.save_ds_checkpoint(*args, **kwargs)
-    return save_ds_checkpoint
-
-
 PATCHES = [
     Patch("timers_cuda_sync", "sat.training.utils:Timers.Timer.start", _timer_method,
           answers="CPU runs: Timer.start calls torch.cuda.synchronize (sat/training/utils.py)",
@@ -51,10 +35,12 @@ PATCHES = [
     Patch("timers_cuda_sync_stop", "sat.training.utils:Timers.Timer.stop", _timer_method,
           answers="CPU runs: Timer.stop calls torch.cuda.synchronize (sat/training/utils.py)",
           expect=expect_names("cuda", "synchronize")),
-    Patch("save_rng_without_cuda", "sat.training.model_io:save_ds_checkpoint", _save_ds_checkpoint,
+    Patch("save_rng_without_cuda", "sat.training.model_io:save_ds_checkpoint",
+          delegate(saving.save_ds_checkpoint, with_original=False),
           answers="CPU runs: every checkpoint save calls torch.cuda.get_rng_state() unless --no-save-rng",
           expect=expect_names("get_rng_state", "save_ds_checkpoint_no_optim")),
-    Patch("broadcast_data_device", "sat.mpu.data:broadcast_data", _broadcast_data,
+    Patch("broadcast_data_device", "sat.mpu.data:broadcast_data",
+          delegate(collectives.broadcast_data, with_original=False),
           answers="sat/mpu/data.py broadcast_data hard-codes torch.cuda.current_device()",
           expect=expect_names("_build_key_size_numel_dictionaries", "broadcast")),
 ]

@@ -8,37 +8,10 @@ from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..runtime.distributed import (explained_collectives, get_args_on_compute_device,
                                    initialize_distributed_destroyed_at_exit, initialize_distributed_with_backend,
                                    training_device,)
-
-
-def _initialize_distributed(original):
-    """sat/arguments.py initialize_distributed: the group is created NCCL-only (THUDM/CogVLM#328,
-    THUDM/SwissArmyTransformer#173)."""
-    @functools.wraps(original)
-    def initialize_distributed(*args, **kwargs):
-        return initialize_distributed_with_backend(original, *args, **kwargs)
-    return initialize_distributed
-
-
-def _destroy_at_exit(original):
-    """sat/arguments.py initialize_distributed: SAT creates the process group and never destroys it
-    (pytorch/pytorch#190489)."""
-    @functools.wraps(original)
-    def initialize_distributed(*args, **kwargs):
-        return initialize_distributed_destroyed_at_exit(original, *args, **kwargs)
-    return initialize_distributed
-
-
-def _get_args(original):
-    """sat/arguments.py get_args: ``LOCAL_RANK (default 0) and args.device inconsistent`` on CPU (and where
-    ranks share a GPU)."""
-    @functools.wraps(original)
-    def get_args(*args, **kwargs):
-        return get_args_on_compute_device(original, *args, **kwargs)
-    return get_args
 
 
 def _training_main(original):
@@ -63,10 +36,12 @@ def _setup_with_explained_sync(original):
 
 
 PATCHES = [
-    Patch("process_group_backend", "sat.arguments:initialize_distributed", _initialize_distributed,
+    Patch("process_group_backend", "sat.arguments:initialize_distributed",
+          delegate(initialize_distributed_with_backend),
           answers="THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173: No backend type associated with device type cpu",
           expect=expect_names("init_process_group", "distributed_backend")),
-    Patch("destroy_group_at_exit", "sat.arguments:initialize_distributed", _destroy_at_exit,
+    Patch("destroy_group_at_exit", "sat.arguments:initialize_distributed",
+          delegate(initialize_distributed_destroyed_at_exit),
           answers="SAT never destroys its process group: gloo aborts the process at interpreter exit "
                   "(pytorch/pytorch#190489)",
           expect=expect_names("init_process_group")),
@@ -79,7 +54,7 @@ PATCHES = [
           answers="QLoRA demo sets args.device='cpu'; training_main (THUDM/SwissArmyTransformer@5385db0) then "
                   "moves the model to CPU",
           expect=expect_names("device")),
-    Patch("get_args_cpu_device", "sat.arguments:get_args", _get_args,
+    Patch("get_args_cpu_device", "sat.arguments:get_args", delegate(get_args_on_compute_device),
           answers="get_args: 'LOCAL_RANK (default 0) and args.device inconsistent' without CUDA",
           expect=expect_params("args_list", "parser")),
 ]

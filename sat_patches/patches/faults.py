@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..diagnostics.heartbeat import training_main_with_heartbeat
 from ..runtime.checks import check_lora_args
 from ..runtime.deepspeed_config import get_args_naming_bad_json
@@ -49,34 +49,17 @@ def _lora_mixin_init(original):
     return __init__
 
 
-def _get_args(original):
-    """SAT's get_args json.loads --deepspeed_config: a syntax error names neither file nor fix."""
-    @functools.wraps(original)
-    def get_args(*args, **kwargs):
-        return get_args_naming_bad_json(original, *args, **kwargs)
-    return get_args
-
-
-def _training_main(original):
-    """SAT's training_main: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed
-    (THUDM/CogVLM#283, THUDM/CogVLM#320: kill -9, "training stops with no clear error")."""
-    @functools.wraps(original)
-    def training_main(*args, **kwargs):
-        return training_main_with_heartbeat(original, *args, **kwargs)
-    return training_main
-
-
 PATCHES = [
     Patch("lora_args_check", "sat.model.finetune.lora2:LoraMixin.__init__", _lora_mixin_init,
           answers="stock SAT divides by a LoRA rank of 0 and skips layers outside the model; THUDM/CogVLM#257, #438 "
                   "(QLoRA without bitsandbytes): LoRA rank <= 0, "
                   "layer_range outside the model, --use_qlora without bitsandbytes refused before LoRA layers are built",
           expect=expect_params("layer_num", "r", "layer_range", "qlora")),
-    Patch("deepspeed_config_json", "sat.arguments:get_args", _get_args,
+    Patch("deepspeed_config_json", "sat.arguments:get_args", delegate(get_args_naming_bad_json),
           answers="stock SAT: a --deepspeed_config that is not valid JSON fails with a bare JSONDecodeError; now "
                   "the message names the file and line",
           expect=expect_names("json", "load", "deepspeed_config")),
-    Patch("rank_heartbeat", "sat.training.deepspeed_training:training_main", _training_main,
+    Patch("rank_heartbeat", "sat.training.deepspeed_training:training_main", delegate(training_main_with_heartbeat),
           answers="THUDM/CogVLM#283, #320 (kill -9; 'training stops with no clear error'): survivors of a "
                   "dead rank exit non-zero within SAT_PATCHES_HEARTBEAT_TIMEOUT naming it",
           expect=expect_names("train")),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..cogvlm.vision_expert import expert_attention_forward, expert_mlp_forward
 from ..core.on_import import OnImportPatch
-from ..core.registry import code_names
+from ..core.registry import code_names, delegate
 
 MIXINS = "utils.models.mixin"
 VERIFIED_ON = "THUDM/CogVLM utils/models/mixin.py (f7283b2)"
@@ -28,30 +28,16 @@ def expect_code(*names: str):
     return check
 
 
-def _mlp_forward(original):
-    """THUDM/CogVLM utils/models/mixin.py LlamaVisionExpertFCMixin.mlp_forward: boolean-mask routing."""
-    def mlp_forward(self, hidden_states, **kw_args):
-        return expert_mlp_forward(self, hidden_states, **kw_args)
-    return mlp_forward
-
-
-def _attention_forward(original):
-    """THUDM/CogVLM utils/models/mixin.py LlamaVisionExpertAttnMixin.attention_forward: boolean-mask routing and a
-    tensor ``max_seqlen`` (a host sync in the rotary cache) per layer."""
-    def attention_forward(self, hidden_states, mask, **kw_args):
-        return expert_attention_forward(self, hidden_states, mask, **kw_args)
-    return attention_forward
-
-
 PATCHES = [
-    OnImportPatch("fork_expert_routing_mlp", f"{MIXINS}:LlamaVisionExpertFCMixin.mlp_forward", _mlp_forward,
+    OnImportPatch("fork_expert_routing_mlp", f"{MIXINS}:LlamaVisionExpertFCMixin.mlp_forward",
+                  delegate(expert_mlp_forward, with_original=False),
                   answers="a fork's vision-expert MLP gathers tokens with boolean masks: host syncs per layer",
                   verified_on=VERIFIED_ON,
                   expect=expect_code("vision_expert_mask", "layer_id", "gate_proj", "vision_gate_proj",
                                      "vision_dense_h_to_4h_list", "vision_dense_4h_to_h_list", "vision_layer_range",
                                      "activation_func", "dense_h_to_4h", "dense_4h_to_h")),
     OnImportPatch("fork_expert_routing_attention", f"{MIXINS}:LlamaVisionExpertAttnMixin.attention_forward",
-                  _attention_forward,
+                  delegate(expert_attention_forward, with_original=False),
                   answers="a fork's vision-expert attention gathers tokens with boolean masks: host syncs per layer",
                   verified_on=VERIFIED_ON,
                   expect=expect_code("vision_expert_mask", "layer_id", "position_ids", "use_vision_expert",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..diagnostics.ledger import LEDGER, train_step_recorded
 
 
@@ -42,14 +42,6 @@ def _recording(phase: str, once: bool = False):
                 return func(*args, **kwargs)
         return classmethod(wrapper) if isinstance(original, classmethod) else wrapper
     return make
-
-
-def _train_step(original):
-    """SAT's train_step: record the first step and every step that ends a log interval."""
-    @functools.wraps(original)
-    def train_step(*args, **kwargs):
-        return train_step_recorded(original, *args, **kwargs)
-    return train_step
 
 
 def _answers(what):
@@ -93,7 +85,7 @@ PATCHES = [
           _recording("deepspeed_init"),
           answers=_answers("memory after parameter sync and deepspeed.initialize (optimizer states)"),
           expect=expect_names("initialize")),
-    Patch("ledger_train_step", "sat.training.deepspeed_training:train_step", _train_step,
+    Patch("ledger_train_step", "sat.training.deepspeed_training:train_step", delegate(train_step_recorded),
           answers=_answers("first step and every log interval; rank 0 prints/writes the table, flags outliers"),
           expect=expect_params("data_iterator", "model", "optimizer", "lr_scheduler", "args", "timers")),
 ]

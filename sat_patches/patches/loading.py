@@ -29,15 +29,7 @@ import functools
 from ..checkpoints.loading import (SharedStartClock, from_pretrained_unless_zero3, load_checkpoint_unless_zero3,
                                    training_main_with_shared_start,)
 from ..core.coordination import check_local_world_size
-from ..core.registry import Patch, expect_names, expect_params
-
-
-def _load_checkpoint(original):
-    """SAT's load_checkpoint, mapped and rank-local; ZeRO-3 models keep SAT's own path."""
-    @functools.wraps(original)
-    def load_checkpoint(*args, **kwargs):
-        return load_checkpoint_unless_zero3(original, *args, **kwargs)
-    return load_checkpoint
+from ..core.registry import Patch, delegate, expect_names, expect_params
 
 
 def _from_pretrained(auto: bool):
@@ -66,21 +58,13 @@ def _expect_datetime_class(original):
     return None if original is datetime.datetime else f"it is {original!r}, not the datetime class"
 
 
-def _training_main(original):
-    """SAT's training_main: experiment_name timestamps differ per rank (THUDM/CogVLM#269)."""
-    @functools.wraps(original)
-    def training_main(*args, **kwargs):
-        return training_main_with_shared_start(original, *args, **kwargs)
-    return training_main
-
-
 def _expect_from_pretrained(original):
     return expect_names("mp_split_model_rank0", "from_pretrained_base")(original) or \
         expect_params("overwrite_args", "use_node_group")(original)
 
 
 PATCHES = [
-    Patch("load_checkpoint_mmap", "sat.training.model_io:load_checkpoint", _load_checkpoint,
+    Patch("load_checkpoint_mmap", "sat.training.model_io:load_checkpoint", delegate(load_checkpoint_unless_zero3),
           answers="THUDM/CogVLM#283, #320, #162: every rank torch.loads the whole checkpoint into RAM (no mmap); "
                   "MP=N checkpoints load only at MP=N",
           expect=expect_names("get_checkpoint_name", "load_state_dict", "reinit")),
@@ -102,7 +86,8 @@ PATCHES = [
           answers="THUDM/CogVLM#269: SAT's training module reads the clock of each rank for experiment_name; "
                   "it gets a clock whose first now() in training_main is rank 0's start time",
           expect=_expect_datetime_class),
-    Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main", _training_main,
+    Patch("shared_experiment_name", "sat.training.deepspeed_training:training_main",
+          delegate(training_main_with_shared_start),
           answers="THUDM/CogVLM#269: experiment_name timestamps differ per rank, one MP run saves into two "
                   "directories; rank 0's start time is shared (with shared_experiment_start)",
           expect=expect_names("experiment_name", "datetime", "strftime")),

@@ -8,15 +8,8 @@ a ``NameError``.
 """
 from __future__ import annotations
 
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..lora.layer import LoraLinear, merge_linear_lora, reinit_lora_mixin, replace_linear_with_lora
-
-
-def _reinit(original):
-    """THUDM/CogVLM#438: LoraMixin(qlora=True).reinit leaves the other linears float until a later ``.cuda()``."""
-    def reinit(self, parent_model=None):
-        return reinit_lora_mixin(self, parent_model)
-    return reinit
 
 
 def _expect_lora_linear(cls):
@@ -24,39 +17,30 @@ def _expect_lora_linear(cls):
             or expect_names("copy_to_model_parallel_region")(cls.forward))
 
 
-def _lora_linear(original):
-    """THUDM/CogVLM#283, #320 (base-layer copies), #328 (LoRA params on CPU), #438 (QLoRA NameError
-    'dtype'); stock SAT's LoRA on a RowParallelLinear never all-reduces x @ A^T."""
-    return LoraLinear
-
-
-def _replace_linear_with_lora(original):
-    """THUDM/CogVLM#268 (LoRA sized from in_size/out_size); meta bases: LoRA params moved to meta."""
-    return replace_linear_with_lora
-
-
-def _merge_linear_lora(original):
-    """THUDM/CogVLM#117, #451 (merging MP LoRA), #257 (QLoRA merge assumes a bias): stock SAT returns a plain
-    nn.Linear(...).cuda()."""
-    return merge_linear_lora
+def _replaced_by(ours):
+    """A ``make`` that puts ``ours`` in the target's place (SAT's own is not called)."""
+    return lambda original: ours
 
 
 PATCHES = [
-    Patch("lora_linear", "sat.model.finetune.lora2:LoraLinear", _lora_linear,
+    Patch("lora_linear", "sat.model.finetune.lora2:LoraLinear", _replaced_by(LoraLinear),
           answers="LoRA by reference on the base weight's device/dtype; RowParallel LoRA all-reduces "
                   "x@A^T (stock SAT does not: model-parallel ranks disagree once B != 0); QLoRA NameError 'dtype' "
                   "(THUDM/CogVLM#438); CPU LoRA params under NCCL (THUDM/CogVLM#328); host-memory copies "
                   "(THUDM/CogVLM#283, #320)",
           expect=_expect_lora_linear),
-    Patch("lora_replace", "sat.model.finetune.lora2:replace_linear_with_lora", _replace_linear_with_lora,
+    Patch("lora_replace", "sat.model.finetune.lora2:replace_linear_with_lora",
+          _replaced_by(replace_linear_with_lora),
           answers="replace_linear_with_lora moves new LoRA params to the base's device (meta stays meta) "
                   "and sizes layers from in_size/out_size (THUDM/CogVLM#268)",
           expect=expect_params("lin", "partition", "r")),
-    Patch("lora_merge", "sat.model.finetune.lora2:merge_linear_lora", _merge_linear_lora,
-          answers="merge_linear_lora returns nn.Linear(...).cuda() (loses model parallelism), assumes a "
-                  "bias for QLoRA (THUDM/CogVLM#257), dequantises NF4 with dequantize_fp4, full-size temporaries",
+    Patch("lora_merge", "sat.model.finetune.lora2:merge_linear_lora", _replaced_by(merge_linear_lora),
+          answers="THUDM/CogVLM#117, #451: merge_linear_lora returns nn.Linear(...).cuda() (loses model "
+                  "parallelism), assumes a bias for QLoRA (THUDM/CogVLM#257), dequantises NF4 with dequantize_fp4, "
+                  "full-size temporaries",
           expect=expect_names("dequantize_fp4", "cuda")),
-    Patch("lora_reinit", "sat.model.finetune.lora2:LoraMixin.reinit", _reinit,
+    Patch("lora_reinit", "sat.model.finetune.lora2:LoraMixin.reinit",
+          delegate(reinit_lora_mixin, with_original=False),
           answers="LoraMixin(qlora=True).reinit leaves the transformer's linears float and unquantised, "
                   "cloning each (THUDM/CogVLM#438)",
           expect=expect_names("replace_linear_with_lora", "HackLinearNF4")),

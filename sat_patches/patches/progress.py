@@ -11,28 +11,10 @@ reported once and turned off; training goes on.
 """
 from __future__ import annotations
 
-import functools
-
 from ..core import noise
 from ..core.module_patches import QuietThirdPartyPatch
-from ..core.registry import Patch, expect_params
+from ..core.registry import Patch, delegate, expect_params
 from ..diagnostics.progress import report_evaluate_metrics_float32, report_iteration_progress
-
-
-def _report_iteration_metrics(original):
-    """SAT's report_iteration_metrics: a long line per log interval, no time left."""
-    @functools.wraps(original)
-    def report_iteration_metrics(*args, **kwargs):
-        return report_iteration_progress(original, *args, **kwargs)
-    return report_iteration_metrics
-
-
-def _report_evaluate_metrics(original):
-    """SAT's report_evaluate_metrics: bf16 metrics that TensorBoard's add_scalar refuses."""
-    @functools.wraps(original)
-    def report_evaluate_metrics(*args, **kwargs):
-        return report_evaluate_metrics_float32(original, *args, **kwargs)
-    return report_evaluate_metrics
 
 
 PATCHES = [
@@ -40,13 +22,13 @@ PATCHES = [
         noise.PATCH_NAME, "logging:" + ",".join(noise.QUIETED), make=None,
         answers="every process logged bitsandbytes' 'Failed to load CPU gemm_4bit_forward from kernels-community' "
                 "and DeepSpeed's 'Setting accelerator to CPU' at import; sat_patches says the device once on rank 0"),
-    Patch("progress_line", "sat.training.deepspeed_training:report_iteration_metrics", _report_iteration_metrics,
+    Patch("progress_line", "sat.training.deepspeed_training:report_iteration_metrics", delegate(report_iteration_progress),
           answers="SAT logs a long line per log interval with no time left; here one short line with an ETA, and "
                   "the run's loss curve (loss_curve.csv/.png beside the memory ledger)",
           expect=expect_params("summary_writer", "optimizer", "lr", "loss", "elapsed_time", "step", "total_step",
                                "args", "avg_metrics")),
     Patch("evaluation_metrics_float", "sat.training.deepspeed_training:report_evaluate_metrics",
-          _report_evaluate_metrics,
+          delegate(report_evaluate_metrics_float32),
           answers="with --bf16, SAT's evaluation hands bf16 metric tensors to TensorBoard's add_scalar ('Got "
                   "unsupported ScalarType BFloat16'): a bf16 run that evaluates dies at its first evaluation",
           expect=expect_params("summary_writer", "prefix", "loss", "ppl", "step", "args", "avg_metrics")),

@@ -41,7 +41,7 @@ from sat.helpers import check_if_zero3
 
 from ..checkpoints.resume import (SCHEDULE_KEYS, load_optimizer_states, restore_lr_schedule, resumable, resuming,
                                   save_optimizer_states, train_restoring_rng,)
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 
 
 def _save_checkpoint(original):
@@ -87,14 +87,6 @@ def _get_learning_rate_scheduler(original):
     return get_learning_rate_scheduler
 
 
-def _train(original):
-    """``training_main`` re-seeds every generator with ``--seed`` after loading the checkpoint's states."""
-    @functools.wraps(original)
-    def train(*args, **kwargs):
-        return train_restoring_rng(original, *args, **kwargs)
-    return train
-
-
 def _make_data_loader(original):
     """``start_iter`` (``--resume-dataloader``) is ignored with one data-parallel rank: plain BatchSampler."""
     @functools.wraps(original)
@@ -135,7 +127,7 @@ PATCHES = [
           answers="resume (stock SAT): a resumed run's learning rate restarts 100 iterations back at 5% of the rate "
                   "(auto warm-up) instead of continuing",
           expect=expect_names("AnnealingLR", "warmup", "lr_decay_iters")),
-    Patch("resume_rng", "sat.training.deepspeed_training:train", _train,
+    Patch("resume_rng", "sat.training.deepspeed_training:train", delegate(train_restoring_rng),
           answers="resume (stock SAT): training_main re-seeds with --seed after load_checkpoint restored the random "
                   "states; dropout replays the first steps' masks",
           expect=expect_names("train_step")),

@@ -9,23 +9,14 @@ script's own choice.
 """
 from __future__ import annotations
 
-import functools
-
-from ..core.registry import Patch, expect_names
+from ..core.registry import Patch, delegate, expect_names
 from ..runtime.trainable import setup_with_trainable_setting
-
-
-def _setup(original):
-    """SAT asks the model what trains; CogVLM's demos leave more than the adapters on."""
-    @functools.wraps(original)
-    def setup_model_untrainable_params_and_optimizer(*args, **kwargs):
-        return setup_with_trainable_setting(original, *args, **kwargs)
-    return setup_model_untrainable_params_and_optimizer
 
 
 PATCHES = [
     Patch("trainable_setting", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
-          _setup, answers="CogVLM's finetune demos train far more than LoRA (EVA MLP layers 46-54; CogAgent's cross "
+          delegate(setup_with_trainable_setting),
+          answers="CogVLM's finetune demos train far more than LoRA (EVA MLP layers 46-54; CogAgent's cross "
                           "encoder, vision experts, EVA); SAT_PATCHES_TRAINABLE=lora trains the adapters only",
           expect=expect_names("disable_untrainable_params")),
 ]

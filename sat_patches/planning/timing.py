@@ -119,7 +119,7 @@ def _attention(queries: float, keys: float, width: float, causal: bool = False) 
 
 
 def forward_passes(c: dict, seq_len: int) -> Passes:
-    """Forward FLOP per sample, from a ``model_config.json`` as :func:`sat_patches.planning.estimator.plan_config`
+    """Forward FLOP per sample, from a ``model_config.json`` as :func:`sat_patches.planning.shapes.plan_config`
     reads it. Every token passes one expert (language or vision), of the same shapes."""
     h, f, t = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], seq_len
     layer = _linear(t, h, 3 * h) + _linear(t, h, h) + 3 * _linear(t, h, f) + _attention(t, t, h, causal=True)
@@ -154,7 +154,7 @@ class StepTime:
 
 
 def step_time(c: dict, s, tflops: float) -> StepTime:
-    """Predicted step of setup ``s`` (:class:`sat_patches.planning.estimator.Setup`) on a card of ``tflops``."""
+    """Predicted step of setup ``s`` (:class:`sat_patches.planning.memory.Setup`) on a card of ``tflops``."""
     p = forward_passes(c, s.seq_len)
     eva_back = eva_trains(c, s)
     encoder_back = s.train == "demo"

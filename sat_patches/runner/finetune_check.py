@@ -203,7 +203,7 @@ def check(env: dict) -> List[str]:
                       f"training) or EVALUATE=0.")
     elif env.get("EVALUATE") == "1" and in_checkout(env):
         errors.append("EVALUATE=1 runs in sat_patches' own trainer, not in the checkout's demo: unset it and run "
-                      "python -m sat_patches.evaluate <the run's checkpoint> <VALID_DATA> --local_tokenizer ... "
+                      "python -m sat_patches evaluate <the run's checkpoint> <VALID_DATA> --local_tokenizer ... "
                       "after training.")
     hostfile = env.get("HOST_FILE")
     if hostfile and not os.path.isfile(hostfile):

@@ -10,7 +10,7 @@ Four modes, chosen in this order:
   shards are checked and the merged model is reloaded;
 - checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
   options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
-- GPU standalone: GPUs are visible: our :mod:`sat_patches.finetune` runs under DeepSpeed on
+- GPU standalone: GPUs are visible: our ``sat_patches finetune train`` runs under DeepSpeed on
   ``FROM_PRETRAINED`` (upstream's model names or a local SAT checkpoint);
 - CPU demo (no GPU, or ``CPU_RANKS`` set): a tiny randomly initialised model of the same architecture
   on generated coloured shapes, trained on ``CPU_RANKS`` ranks at ``MP_SIZE``, then merged (LoRA and MP)
@@ -36,7 +36,8 @@ from ..cogvlm.config import tiny_config
 from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
-from ..planning import estimator as plan
+from ..planning import realise, search, shapes
+from ..planning.memory import Setup
 from . import cpu_ranks, one_process
 from .finetune_check import check, config_path, data_errors, visible_gpus
 
@@ -52,7 +53,7 @@ DEFAULTS = {
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
     "RESUME": "",       # a run directory a previous run saved into: continue it (--mode pretrain --load)
     "RESUME_ITERATION": "",  # with RESUME: continue from this saved iteration instead of 'latest'
-    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches.evaluate)
+    "EVALUATE": "0",    # 1: the trained checkpoint answers every VALID_DATA sample (python -m sat_patches evaluate)
     "SAVE_ADAPTER_ONLY": "",  # 1: saves hold the LoRA adapters and name the base; 0: the whole model; empty: 1 when
                               # only LoRA trains on a loaded base
 }
@@ -114,7 +115,7 @@ def read_config(name: str) -> dict:
         return json.load(f)
 
 
-def planned(env: Dict[str, str], config: dict) -> Optional[plan.Setup]:
+def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
     """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE`` and the
     DeepSpeed config's ZeRO stage and offload (and ``MICRO_BATCH``, ``CHECKPOINT_SKIP_LAYERS`` where set): the
     fastest that fits, on the card assumed from the GPUs' memory. None where the plan cannot tell (no GPU
@@ -123,21 +124,21 @@ def planned(env: Dict[str, str], config: dict) -> Optional[plan.Setup]:
     if memory is None:
         return None
     try:
-        model = plan.resolve_model(env["MODEL_TYPE"])
+        model = shapes.resolve_model(env["MODEL_TYPE"])
     except SystemExit:  # a model the plan does not know: the config's micro-batch, every layer checkpointed
         return None
     zero = config.get("zero_optimization", {})
     given = {k: int(env[k]) for k in ("MICRO_BATCH", "CHECKPOINT_SKIP_LAYERS") if env.get(k)}
-    opts = plan.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
+    opts = search.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
                         zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
                         micro_batch=given.get("MICRO_BATCH"), checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"),
                         seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
                         qlora=env.get("QLORA") == "1", checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
-    best = plan.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
+    best = search.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
     return best.estimate.setup if best else None
 
 
-def checkpoint_options(env: Dict[str, str], choice: Optional[plan.Setup]) -> List[str]:
+def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str]:
     """``CHECKPOINT_ACTIVATIONS=1``: checkpointing (SAT's ``--checkpoint-activations``, upstream's
     ``--vit_checkpoint_activations`` for EVA) except the last ``CHECKPOINT_SKIP_LAYERS`` language layers (SAT's
     ``--checkpoint-skip-layers``); by default what the plan chose, which may be none at all where everything fits,
@@ -147,11 +148,11 @@ def checkpoint_options(env: Dict[str, str], choice: Optional[plan.Setup]) -> Lis
     if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
         return []
     if env.get("CHECKPOINT_SKIP_LAYERS"):
-        choice = plan.Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
-    return plan.checkpoint_options(choice or plan.Setup())
+        choice = Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
+    return realise.checkpoint_options(choice or Setup())
 
 
-def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[plan.Setup] = None) -> str:
+def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
     """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
     ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's ``choice`` for the detected GPUs, else the
     config's own) is written into a copy saved beside the run's checkpoints."""
@@ -209,7 +210,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     opts += resume_options(env)
-    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches.evaluate)
+    if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches evaluate)
         opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
@@ -240,7 +241,7 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
     if checkout:
         program = [os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)]
     else:
-        program = ["-m", "sat_patches.finetune", "train", "--kind", kind]
+        program = ["-m", "sat_patches", "finetune", "train", "--kind", kind]
     return [deepspeed_command(env, program, train_options(env))]
 
 
@@ -265,17 +266,17 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
         if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
             options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
     commands = [
-        [py, "-m", "sat_patches.finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
+        [py, "-m", "sat_patches", "finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
-         "-m", "sat_patches.launch", "-m", "sat_patches.finetune", "train", "--kind", kind, *options],
-        [py, "-m", "sat_patches.merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
-        [py, "-m", "sat_patches.finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
+         "-m", "sat_patches.launch", "-m", "sat_patches", "finetune", "train", "--kind", kind, *options],
+        [py, "-m", "sat_patches", "merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
+        [py, "-m", "sat_patches", "finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
     ]
     # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
-    commands.append([py, "-m", "sat_patches.export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
+    commands.append([py, "-m", "sat_patches", "export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
     return commands
 
 

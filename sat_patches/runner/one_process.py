@@ -1,9 +1,9 @@
 """A CPU run's steps from one interpreter:
 ``python -m sat_patches.runner.one_process '<JSON list of command lines>'``.
 
-The CPU runs of the scripts prepare (``python -m sat_patches.finetune prepare`` or
+The CPU runs of the scripts prepare (``python -m sat_patches finetune prepare`` or
 ``python -m sat_patches.runner.checkout_cpu prepare``), train (``python -m sat_patches.runner.cpu_ranks``), then
-check what training wrote (``python -m sat_patches.merge``, ``... finetune verify``, ``... export hf``, or
+check what training wrote (``python -m sat_patches merge``, ``... finetune verify``, ``... export hf``, or
 ``... checkout_cpu verify``). Each step in a fresh interpreter would import torch, SAT, DeepSpeed and bitsandbytes
 again (seconds each, most of each step's time on a tiny model); here the steps that are verbs of ours run in this
 interpreter, one after the other, and every other step runs as a child process, with the environment this process
@@ -38,9 +38,7 @@ from ..core.ports import free_port
 from . import cpu_ranks
 
 # ``python -m MODULE`` -> the module whose ``main(argv)`` that command runs
-IN_PROCESS = {"sat_patches.merge": "sat_patches.cli.merge", "sat_patches.finetune": "sat_patches.cli.finetune",
-              "sat_patches.export": "sat_patches.cli.export",
-              "sat_patches.runner.checkout_cpu": "sat_patches.runner.checkout_cpu"}
+IN_PROCESS = {"sat_patches": "sat_patches.cli.main", "sat_patches.runner.checkout_cpu": "sat_patches.runner.checkout_cpu"}
 _LATEST = re.compile(r"^\{the latest run under (.+)\}$")
 
 

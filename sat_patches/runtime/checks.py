@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from ..checkpoints.files import read_model_config
+from ..checkpoints.model_config import read_model_config
 
 
 class BadInputError(ValueError):

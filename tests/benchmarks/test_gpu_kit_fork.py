@@ -48,7 +48,7 @@ def test_the_full_size_part_needs_cuda_and_a_card_holding_both_ranks(tmp_path, k
     [row] = rec.rows
     assert row.status == "skipped: no CUDA", row
     # what it weighs on a card: each rank's planned share of the 17B model at MP=2 (about half of one 80 GB row)
-    from sat_patches.planning.estimator import default_seq_len, plan_config
+    from sat_patches.planning.shapes import default_seq_len, plan_config
     config = proof_fork.model_config(full_depth=True)
     planned = proof_fork.planned_allocated(config, default_seq_len(plan_config(config)))
     assert 20e9 < planned < 70e9, planned

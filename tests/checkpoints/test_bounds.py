@@ -74,9 +74,10 @@ def test_a_config_implying_far_more_than_the_files_hold_is_refused_before_the_mo
                     inner_hidden_size=1 << 18)
     checkpoint(tmp_path / "ckpt", cfg)
     child = run_capped(f"""
+        from sat_patches.checkpoints.model_config import read_model_config
         from sat_patches.testing import expert_llama as el
         try:
-            el.model_class().from_pretrained({str(tmp_path / 'ckpt')!r}, el.build_args(files.read_model_config(
+            el.model_class().from_pretrained({str(tmp_path / 'ckpt')!r}, el.build_args(read_model_config(
                 {str(tmp_path / 'ckpt')!r})))
         except files.CheckpointError as exc:
             print("REFUSED", exc)

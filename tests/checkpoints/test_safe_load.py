@@ -49,7 +49,7 @@ def test_merge_refuses_before_writing_anything(tmp_path):
 def _load_at_mp2(ckpt):
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.checkpoints.files import read_model_config
+    from sat_patches.checkpoints.model_config import read_model_config
     from sat_patches.testing import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(2)

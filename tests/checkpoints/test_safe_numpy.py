@@ -91,7 +91,7 @@ def test_object_dtype_rng_state_is_refused_without_a_crash_when_restored(tmp_pat
         import sat_patches; sat_patches.apply()
         from sat.training.model_io import load_checkpoint
         from sat_patches.checkpoints import safe_load
-        from sat_patches.checkpoints.files import read_model_config
+        from sat_patches.checkpoints.model_config import read_model_config
         from sat_patches.testing import expert_llama as el
         args = el.build_args(read_model_config({str(tmp_path / 'ckpt')!r}))
         args.mode, args.no_load_rng = "pretrain", False

@@ -38,3 +38,27 @@ def test_exit_now_skips_the_teardown_and_runs_exit_handlers_where_a_group_is_the
         assert "exit handler ran; group still there: True" in out.stdout
     else:  # a verb without a group: nothing else runs, as before
         assert "exit handler ran" not in out.stdout
+
+
+VERB = """
+import os, runpy, sys
+
+class Finalised:
+    def __del__(self, write=os.write):
+        write(1, b"teardown ran\\n")
+
+kept = Finalised()
+sys.argv = ["sat_patches", *sys.argv[1:]]
+runpy.run_module("sat_patches", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("verb, quick", [(["finetune"], True), (["report", "no-such-run"], False)],
+                         ids=["own-parser-verb", "other-verb"])
+def test_python_m_sat_patches_exits_without_the_teardown_after_a_verb_with_its_own_parser(verb, quick):
+    """``python -m sat_patches finetune ...`` (a verb that loads torch and SAT) ends as ``exit_now`` ends it; a
+    verb that loads neither exits normally."""
+    out = subprocess.run([sys.executable, "-c", VERB, *verb], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert ("teardown ran" in out.stdout) is not quick, out.stdout

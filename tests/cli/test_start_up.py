@@ -25,7 +25,7 @@ print("LOADED " + " ".join(m for m in ("torch", "sat", "deepspeed", "transformer
 @pytest.mark.parametrize("argv, says", [
     (["sat_patches", "plan", "--model", "cogvlm-base-490", "--gpus", "2", "--gpu-mem", "24", "--json"], None),
     (["sat_patches", "report", "no-such-run"], "no memory_ledger.csv in no-such-run"),
-    (["sat_patches.tools.finetune_check"], "MP_SIZE=3 does not divide"),
+    (["sat_patches.runner.finetune_check"], "MP_SIZE=3 does not divide"),
     (["sat_patches", "merge"], "usage: sat-patches merge"),
     (["sat_patches", "evaluate", "ckpt"], "the following arguments are required: data, --local_tokenizer"),
     (["sat_patches", "finetune", "verify"], "usage: sat-patches finetune verify"),

@@ -1,18 +1,7 @@
-"""``merge``, ``evaluate`` and ``finetune`` are ``sat-patches`` verbs, and ``python -m sat_patches.<verb>`` runs the
-same command."""
-import importlib
+"""``merge``, ``evaluate`` and ``finetune`` are ``sat-patches`` verbs (also ``python -m sat_patches <verb>``)."""
 import os
 
-import pytest
-
 from sat_patches.cli import main as cli
-
-
-@pytest.mark.parametrize("verb", ["merge", "evaluate", "finetune"])
-def test_the_python_m_alias_runs_the_verbs_command(verb):
-    alias = importlib.import_module(f"sat_patches.{verb}")
-    assert alias.main is importlib.import_module(f"sat_patches.cli.{verb}").main is cli.OWN_PARSER[verb]
-    assert verb in [name for name, _ in cli.COMMANDS]                          # listed in sat-patches --help
 
 
 def test_merge_of_a_missing_checkpoint_says_so_and_writes_nothing(tmp_path, capsys):

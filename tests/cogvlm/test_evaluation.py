@@ -1,4 +1,4 @@
-"""``python -m sat_patches.evaluate``: every sample answered once over the data-parallel ranks, the same
+"""``python -m sat_patches evaluate``: every sample answered once over the data-parallel ranks, the same
 predictions at any model-parallel size, scores consistent with the lines written, bad input refused."""
 import json
 import os

@@ -4,7 +4,7 @@ import pytest
 
 from sat_patches.cogvlm.shapes import RELEASED, upstream_config
 from sat_patches.cogvlm.on_meta import build_on_meta
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import shapes
 
 
 def model_config(name: str) -> dict:
@@ -17,9 +17,9 @@ SHAPES = {shape: sorted(n for n, s in RELEASED.items() if s == shape) for shape 
 
 def test_the_plan_reads_the_models_table():
     """One table of shapes: every released name is a plan entry, read from the models' own table."""
-    assert sorted(plan.MODELS) == sorted(RELEASED)
+    assert sorted(shapes.MODELS) == sorted(RELEASED)
     for name in RELEASED:
-        assert {k: v for k, v in plan.MODELS[name].items() if k in upstream_config(name)} == upstream_config(name)
+        assert {k: v for k, v in shapes.MODELS[name].items() if k in upstream_config(name)} == upstream_config(name)
 
 
 @pytest.mark.parametrize("mp", [1, 2, 4])
@@ -28,5 +28,5 @@ def test_plan_parameters_per_rank_equal_the_meta_built_model(name, mp):
     model = build_on_meta(model_config(name), mp)
     built = sum(p.numel() for p in model.parameters())
     for entry in SHAPES[name]:
-        planned = sum(p.per_rank(mp) for p in plan.model_parts(plan.MODELS[entry]) if not p.buffer)
+        planned = sum(p.per_rank(mp) for p in shapes.model_parts(shapes.MODELS[entry]) if not p.buffer)
         assert planned == built, (entry, mp, planned, built)

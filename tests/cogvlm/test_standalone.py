@@ -1,4 +1,4 @@
-"""The standalone CogVLM trainer (``python -m sat_patches.finetune``): QLoRA as upstream's demo does it."""
+"""The standalone CogVLM trainer (``python -m sat_patches finetune``): QLoRA as upstream's demo does it."""
 
 import pytest
 

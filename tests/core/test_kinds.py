@@ -15,12 +15,13 @@ def test_cogvlm_demo_trains_the_mlp_of_eva_layers_46_to_54_and_the_plan_counts_t
 
 
 def test_the_plan_reads_the_kinds_rule(monkeypatch):
-    from sat_patches.planning import estimator
-    config = estimator.upstream_config("cogvlm-base-490")
-    before = sum(p.total for p in estimator.demo_trainable_parts(config))
+    from sat_patches.cogvlm.shapes import upstream_config
+    from sat_patches.planning import shapes
+    config = upstream_config("cogvlm-base-490")
+    before = sum(p.total for p in shapes.demo_trainable_parts(config))
     monkeypatch.setitem(KINDS, "cogvlm", dataclasses.replace(KINDS["cogvlm"], demo_trains=lambda name: False))
     assert before > 0
-    assert sum(p.total for p in estimator.demo_trainable_parts(config)) == 0
+    assert sum(p.total for p in shapes.demo_trainable_parts(config)) == 0
 
 
 def test_an_unknown_kind_names_the_kinds():

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 import sat_patches
-from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, expect_names, expect_params
+from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, delegate, expect_names, expect_params
 from sat_patches.testing import patches_removed
 from zygote import run_before_sat
 
@@ -148,6 +148,18 @@ def test_unexpected_code_shape_is_skipped_with_one_warning_and_force_applies(mon
     assert alias.sat_function is module.sat_function  # alias rebound
     reg.unpatch_all()
     assert module.sat_function(1) == 2 and alias.sat_function(1) == 2
+
+
+def test_delegate_passes_the_original_and_the_call_on_under_the_originals_name():
+    def original(x, y=1):
+        """SAT's."""
+        return x + y
+
+    def ours(sat_function, x, y=1):
+        return ("ours", sat_function(x, y))
+    wrapped = delegate(ours)(original)
+    assert wrapped(2, y=3) == ("ours", 5) and wrapped.__name__ == "original" and wrapped.__doc__ == "SAT's."
+    assert delegate(lambda x, y=1: x * y, with_original=False)(original)(2, y=3) == 6
 
 
 def test_expect_params_names_missing_parameter():

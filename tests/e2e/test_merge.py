@@ -1,4 +1,4 @@
-"""``python -m sat_patches.merge``: an MP=2 LoRA checkpoint merged into one MP=1 checkpoint whose
+"""``python -m sat_patches merge``: an MP=2 LoRA checkpoint merged into one MP=1 checkpoint whose
 logits equal the LoRA model's; errors come as exceptions from ``merge()`` and as messages from
 ``main()``; the output directory is written whole or not at all."""
 import os

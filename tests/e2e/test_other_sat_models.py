@@ -6,7 +6,7 @@ model-parallel size 1:
 
 * at ``--model-parallel-size 2`` it trains at MP=2 (each rank holds half the vocabulary rows) and its first loss
   is MP=1's; a size the model cannot be split into stops every rank with the reason;
-* ``python -m sat_patches.merge RUN OUT --import other_sat_scripts`` folds its LoRA (the class adds LoRA itself)
+* ``python -m sat_patches merge RUN OUT --import other_sat_scripts`` folds its LoRA (the class adds LoRA itself)
   and gives the trained model's logits;
 * with ``--use_qlora`` it loads through the streamed NF4 loader (bitsandbytes' bits) and trains on 2
   data-parallel ranks;
@@ -139,7 +139,7 @@ def test_a_bf16_run_evaluates(base, tmp_path, patched):
 
 
 def test_evaluate_with_import_loads_a_class_that_adds_lora_itself(tmp_path):
-    """``python -m sat_patches.evaluate ... --import MODULE``: the run's own class, LoRA not added twice."""
+    """``python -m sat_patches evaluate ... --import MODULE``: the run's own class, LoRA not added twice."""
     import json
 
     from sat.model.base_model import get_model

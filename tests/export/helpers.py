@@ -52,7 +52,7 @@ def base_state(state):
 
 def folded(model):
     """SAT's merge of every LoRA layer of ``model`` (the patched ``merge_linear_lora``: what
-    ``python -m sat_patches.merge`` writes), as a state dict."""
+    ``python -m sat_patches merge`` writes), as a state dict."""
     from sat_patches.checkpoints.merge import fold_lora
     from sat_patches.lora.layer import is_lora_layer
     fold_lora(model, [n for n, m in model.named_modules() if is_lora_layer(m)])

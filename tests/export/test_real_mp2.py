@@ -1,5 +1,5 @@
 """From an MP=2 save written by two SAT ranks (not by our split rules): the export with LoRA folded imports back
-to exactly what ``python -m sat_patches.merge`` writes, and the base weights import at MP=2 to exactly the
+to exactly what ``python -m sat_patches merge`` writes, and the base weights import at MP=2 to exactly the
 shards the ranks saved."""
 import os
 

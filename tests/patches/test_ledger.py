@@ -8,7 +8,7 @@ import pytest
 from sat_patches.diagnostics import ledger
 from sat_patches.patches import ledger as ledger_patches
 from sat_patches.diagnostics import ledger_files
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import memory, shapes
 from sat_patches.testing import run_ranks, run_script
 
 SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
@@ -51,7 +51,7 @@ def _lora_llama(layers, hidden, heads, vocab):
 
 def _cpu_estimate(config, ranks):
     # tiny_lora: fp32 (SAT's default ZeRO-0 config), batch 4, 15 input tokens, LoRA rank 4, no checkpointing
-    return plan.estimate(config, plan.Setup(gpus=ranks, mp=1, zero=0, dtype="fp32", micro_batch=4, seq_len=15,
+    return memory.estimate(config, memory.Setup(gpus=ranks, mp=1, zero=0, dtype="fp32", micro_batch=4, seq_len=15,
                                             lora_rank=4, lora_eva=False, checkpoint_activations=False, device="cpu"))
 
 
@@ -102,7 +102,7 @@ def test_ranks_with_the_same_memory_each_show_their_line(tmp_path):
 def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
     run_dir, results = tiny_run
     config = _lora_llama(2, 64, 4, 1024)
-    assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(results[0].output)
+    assert shapes.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(results[0].output)
     estimate = _cpu_estimate(config, 2).cpu_rank / 2 ** 20
     for rank, peak in ledger_files.peaks(ledger_files.read(run_dir)).items():
         assert estimate == pytest.approx(peak["host"], rel=0.15), (rank, estimate, peak)
@@ -115,7 +115,7 @@ def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tiny_run, tmp_
                      fresh=True)
     assert r.ok, r.output[-4000:]
     config = _lora_llama(4, 1024, 16, 32000)
-    assert plan.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8
+    assert shapes.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8
     rows = ledger_files.read(str(tmp_path))
     estimate = _cpu_estimate(config, 1)
     peak = ledger_files.peaks(rows)[0]["host"]
@@ -123,8 +123,8 @@ def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tiny_run, tmp_
     # the model's own share (weights, LoRA, optimizer, activations) beside the process baseline: the tiny model's
     # peak less its own planned share (libraries SAT imports at their first use load after the ledger's "start")
     tiny = _cpu_estimate(_lora_llama(2, 64, 4, 1024), 2)
-    base = ledger_files.peaks(ledger_files.read(tiny_run[0]))[0]["host"] - (tiny.cpu_rank - plan.HOST_BASE_CPU) / 2 ** 20
-    assert (estimate.cpu_rank - plan.HOST_BASE_CPU) / 2 ** 20 == pytest.approx(peak - base, rel=0.15)
+    base = ledger_files.peaks(ledger_files.read(tiny_run[0]))[0]["host"] - (tiny.cpu_rank - memory.HOST_BASE_CPU) / 2 ** 20
+    assert (estimate.cpu_rank - memory.HOST_BASE_CPU) / 2 ** 20 == pytest.approx(peak - base, rel=0.15)
 
 
 def test_a_run_that_died_before_its_first_step_still_has_each_rank_s_rows(tmp_path, monkeypatch):

@@ -156,7 +156,7 @@ def test_unknown_split_between_sizes_names_the_merge_command(tmp_path):
         files.append(str(tmp_path / f"mp_rank_{i:02d}_model_states.pt"))
         torch.save({"module": {"w": torch.zeros(3, 4)}}, files[-1])
     source = ShardedSource(Checkpoint(str(tmp_path), 1, False, files), "", 0, 1)
-    with pytest.raises(CheckpointError, match="python -m sat_patches.merge"):
+    with pytest.raises(CheckpointError, match="python -m sat_patches merge"):
         source.copy_into("w", torch.empty(6, 4), None)  # split, but nobody says how
 
 

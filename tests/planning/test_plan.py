@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import memory, realise, search, shapes
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
@@ -31,18 +31,18 @@ def _fixture_parameters(name):
 
 def test_cogvlm_count_is_the_17657466368_sat_prints_in_cogvlm_issue_117():
     # FineTuneTestCogVLMModel with upstream's LoRA (rank 10, language model and EVA), 224 px
-    assert plan.parameter_count(plan.MODELS["cogvlm-base-224"], lora_rank=10, lora_eva=True) == 17_657_466_368
+    assert shapes.parameter_count(shapes.MODELS["cogvlm-base-224"], lora_rank=10, lora_eva=True) == 17_657_466_368
 
 
 @pytest.mark.parametrize("name", ["cogvlm-base-490", "cogagent-chat"])
 def test_component_sizes_match_the_upstream_state_dict_description(name):
-    assert plan.parameter_count(plan.MODELS[name]) == _fixture_parameters(name)
+    assert shapes.parameter_count(shapes.MODELS[name]) == _fixture_parameters(name)
 
 
 def test_model_table_agrees_with_the_cogvlm_package_configs():
     from sat_patches.cogvlm.config import UPSTREAM_CONFIGS
     for name, theirs in UPSTREAM_CONFIGS.items():
-        ours = plan.MODELS[name]
+        ours = shapes.MODELS[name]
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "inner_hidden_size",
                     "image_length", "cross_attn_hidden_size", "cross_hidden_size_per_attention_head", "cross_image_pix"):
             assert ours.get(key) == theirs.get(key), (name, key)
@@ -52,9 +52,9 @@ def test_model_table_agrees_with_the_cogvlm_package_configs():
 
 
 def _best(name, gpus, gb, **kw):
-    config = plan.MODELS[name]
-    return plan.recommend(plan.options(config, gpus, gb, host_mem_gb=kw.pop("host", None),
-                                       seq_len=plan.default_seq_len(config), **kw))
+    config = shapes.MODELS[name]
+    return search.recommend(search.options(config, gpus, gb, host_mem_gb=kw.pop("host", None),
+                                       seq_len=shapes.default_seq_len(config), **kw))
 
 
 def test_upstream_requirement_cogvlm_finetuning_4xA100_80G_or_8xRTX3090_24G():
@@ -65,7 +65,7 @@ def test_upstream_requirement_cogvlm_finetuning_4xA100_80G_or_8xRTX3090_24G():
     rtx = _best("cogvlm-base-224", 8, 24, train="demo")
     assert rtx is not None and rtx.estimate.setup.mp >= 2          # weights alone are 35 GB at MP=1
     assert _best("cogvlm-base-490", 1, 24, train="demo") is None
-    assert plan.estimate(plan.MODELS["cogvlm-base-490"], plan.Setup(gpus=8, mp=1)).device["weights"] > 24e9
+    assert memory.estimate(shapes.MODELS["cogvlm-base-490"], memory.Setup(gpus=8, mp=1)).device["weights"] > 24e9
 
 
 def test_upstream_requirement_cogagent_lora_about_8x24GB():
@@ -79,48 +79,48 @@ def test_one_24GB_gpu_gets_qlora_and_its_settings(name):
     from sat_patches.cli.main import main
     best = _best(name, 1, 24, host=32)
     assert best.estimate.setup.qlora and best.estimate.setup.mp == 1 and best.estimate.per_gpu <= 24e9
-    assert plan.script_settings(best.estimate.setup)["QLORA"] == "1"
+    assert realise.script_settings(best.estimate.setup)["QLORA"] == "1"
     assert "weights (NF4)" in best.estimate.device
     assert main(["plan", "--model", name, "--gpus", "1", "--gpu-mem", "24", "--host-mem", "32"]) == 0
 
 
 def test_qlora_only_at_mp1_and_never_for_the_demo_set():
-    opts = plan.options(plan.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288)
+    opts = search.options(shapes.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288)
     assert {o.estimate.setup.mp for o in opts if o.estimate.setup.qlora} == {1}
-    assert not any(o.estimate.setup.qlora for o in plan.options(plan.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288,
+    assert not any(o.estimate.setup.qlora for o in search.options(shapes.MODELS["cogvlm-base-490"], 4, 80, seq_len=1288,
                                                                  train="demo"))
     assert not _best("cogvlm-base-490", 4, 80).estimate.setup.qlora  # a bf16 base where one fits
 
 
 def test_stock_sat_host_memory_matches_the_kill_9_reports():
     """CogVLM 320: 2 x 4090 with 64 GB of RAM fills up; 283: 8 x V100 killed while building."""
-    e = plan.estimate(plan.MODELS["cogvlm-chat-v1.1"], plan.Setup(gpus=2, mp=2))
+    e = memory.estimate(shapes.MODELS["cogvlm-chat-v1.1"], memory.Setup(gpus=2, mp=2))
     assert e.host_stock_node > 64e9 > e.host_node
-    e8 = plan.estimate(plan.MODELS["cogvlm-chat-v1.1"], plan.Setup(gpus=8, mp=1))
+    e8 = memory.estimate(shapes.MODELS["cogvlm-chat-v1.1"], memory.Setup(gpus=8, mp=1))
     assert e8.host_stock_node > 8 * 60e9
 
 
 def test_offload_moves_optimizer_states_to_the_host_and_only_under_zero():
-    config = plan.MODELS["cogagent-chat"]
-    on = plan.estimate(config, plan.Setup(gpus=8, mp=4, zero=2, offload=True, train="demo"))
-    off = plan.estimate(config, plan.Setup(gpus=8, mp=4, zero=2, offload=False, train="demo"))
+    config = shapes.MODELS["cogagent-chat"]
+    on = memory.estimate(config, memory.Setup(gpus=8, mp=4, zero=2, offload=True, train="demo"))
+    off = memory.estimate(config, memory.Setup(gpus=8, mp=4, zero=2, offload=False, train="demo"))
     assert off.per_gpu - on.per_gpu == pytest.approx(on.host["optimizer states (offloaded)"])
     assert not any(o.estimate.setup.offload and o.estimate.setup.zero == 0
-                   for o in plan.options(config, 8, 24, seq_len=400))
+                   for o in search.options(config, 8, 24, seq_len=400))
 
 
 def test_mp_sizes_divide_gpus_and_every_head_count():
-    assert plan.model_parallel_sizes(plan.MODELS["cogvlm-base-490"], 8) == [1, 2, 4, 8]
-    assert plan.model_parallel_sizes(plan.MODELS["cogvlm-base-490"], 6) == [1, 2]
+    assert search.model_parallel_sizes(shapes.MODELS["cogvlm-base-490"], 8) == [1, 2, 4, 8]
+    assert search.model_parallel_sizes(shapes.MODELS["cogvlm-base-490"], 6) == [1, 2]
 
 
 def test_recommended_deepspeed_config_puts_offload_where_deepspeed_reads_it():
     from sat_patches.runtime.deepspeed_config import lint_deepspeed_config
-    s = plan.Setup(gpus=8, mp=2, zero=2, offload=True, micro_batch=2)
-    config = plan.deepspeed_config(s)
+    s = memory.Setup(gpus=8, mp=2, zero=2, offload=True, micro_batch=2)
+    config = realise.deepspeed_config(s)
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert lint_deepspeed_config(json.loads(json.dumps(config)), world_size=8, model_parallel_size=2) == config
-    assert plan.script_settings(s) == {"NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "2", "LOCAL_WORLD_SIZE": "8"}
+    assert realise.script_settings(s) == {"NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "2", "LOCAL_WORLD_SIZE": "8"}
 
 
 def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
@@ -141,9 +141,9 @@ def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
 
 
 def test_plan_reads_a_checkpoint_model_config(tmp_path):
-    published = {k: v for k, v in plan.MODELS["cogvlm-base-490"].items() if k != "num_vision_layers"}
+    published = {k: v for k, v in shapes.MODELS["cogvlm-base-490"].items() if k != "num_vision_layers"}
     (tmp_path / "model_config.json").write_text(json.dumps(published))
-    config = plan.resolve_model(str(tmp_path))
-    assert plan.parameter_count(config) == plan.parameter_count(plan.MODELS["cogvlm-base-490"])
+    config = shapes.resolve_model(str(tmp_path))
+    assert shapes.parameter_count(config) == shapes.parameter_count(shapes.MODELS["cogvlm-base-490"])
     with pytest.raises(SystemExit, match="unknown model"):
-        plan.resolve_model("cogvlm-huge")
+        shapes.resolve_model("cogvlm-huge")

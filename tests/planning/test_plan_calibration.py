@@ -10,7 +10,7 @@ import torch
 from sat_patches.cogvlm.shapes import upstream_config
 from layer_bytes import layer_bytes, planned_layer_bytes
 from live_bytes import LiveBytes, head_and_loss_peak
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import memory, shapes
 
 
 def test_the_counter_sees_new_storages_until_they_are_freed_and_not_views_or_older_tensors():
@@ -33,11 +33,11 @@ def test_the_counter_sees_new_storages_until_they_are_freed_and_not_views_or_old
 
 @pytest.mark.parametrize("mp", [1, 2])
 def test_the_logits_term_is_the_measured_head_and_loss_at_full_vocabulary_on_every_rank(mp):
-    config = plan.resolve_model("cogvlm-base-490")
-    tokens = plan.DEMO_MAX_LENGTH[490]
+    config = shapes.resolve_model("cogvlm-base-490")
+    tokens = shapes.DEMO_MAX_LENGTH[490]
     measured = head_and_loss_peak(mp, tokens, config["hidden_size"], config["vocab_size"])
-    setup = plan.Setup(mp=mp, micro_batch=1, seq_len=tokens)
-    planned = plan.estimate(config, setup).device["logits and loss"]
+    setup = memory.Setup(mp=mp, micro_batch=1, seq_len=tokens)
+    planned = memory.estimate(config, setup).device["logits and loss"]
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
 
 
@@ -66,7 +66,7 @@ def test_the_layer_term_is_the_measured_layer(layers_measured, shape):
     widths: the meta measurement's cross-check on real tensors (the plan's coefficients hold at any width
     and length, so small widths check them in seconds)."""
     hidden, ffn, heads, tokens, dtype = shape
-    planned = plan.LANGUAGE_LAYER.bytes(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
+    planned = memory.LANGUAGE_LAYER.bytes(tokens, hidden, ffn, heads, 1, 2 if dtype == "bfloat16" else 4)
     measured = layers_measured[shape]
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
 
@@ -114,7 +114,7 @@ def test_an_eva_layer_whose_mlp_trains_is_the_measured_layer(mp):
     """Upstream's CogVLM demo trains the MLP of EVA layers 46-54: such a layer at full size against the plan's."""
     e = upstream_config("cogvlm-base-490")["eva_args"]
     measured = layer_bytes(upstream_config("cogvlm-base-490"), "eva", mp, trains=lambda n: "vit" in n and ".mlp" in n)
-    planned = plan.EVA_LAYER_MLP_TRAINED.bytes(e["max_sequence_length"], e["hidden_size"], e["inner_hidden_size"],
+    planned = memory.EVA_LAYER_MLP_TRAINED.bytes(e["max_sequence_length"], e["hidden_size"], e["inner_hidden_size"],
                                                e["num_attention_heads"], mp, 2)
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
 

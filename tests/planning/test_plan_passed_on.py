@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import search, shapes
 from sat_patches.runner import finetune_run
 
 
@@ -22,8 +22,8 @@ def _skip(opts):
 @pytest.mark.parametrize("memory_gb", [80, 141])
 def test_the_scripts_pass_the_plans_skip_beside_its_micro_batch(monkeypatch, tmp_path, memory_gb):
     env, opts = _gpu_options(monkeypatch, tmp_path, memory_gb)
-    config = plan.resolve_model("cogvlm-base-490")
-    best = plan.recommend([o for o in plan.options(config, 1, memory_gb, seq_len=1288, zero=2, offload=False,
+    config = shapes.resolve_model("cogvlm-base-490")
+    best = search.recommend([o for o in search.options(config, 1, memory_gb, seq_len=1288, zero=2, offload=False,
                                                    qlora=False) if o.estimate.setup.mp == 1]).estimate.setup
     assert best.checkpoint_skip_layers > 0
     assert "--checkpoint-activations" in opts and "--vit_checkpoint_activations" in opts
@@ -52,7 +52,7 @@ def test_where_the_plan_cannot_tell_every_layer_is_checkpointed(monkeypatch, tmp
 def test_the_standalone_trainer_leaves_the_same_share_of_evas_layers_out():
     from sat_patches.cogvlm.image_mixin import vision_args
     from sat_patches.cogvlm.standalone import demo_parser
-    eva = plan.MODELS["cogvlm-base-490"]["eva_args"]
+    eva = shapes.MODELS["cogvlm-base-490"]["eva_args"]
     args = argparse.Namespace(mode="finetune", num_layers=32, vit_checkpoint_activations=True, checkpoint_skip_layers=8)
     assert vision_args(args, eva).checkpoint_skip_layers == 15            # a quarter of 63, rounded down
     assert vision_args(argparse.Namespace(**vars(args), vit_checkpoint_skip_layers=40), eva).checkpoint_skip_layers == 40

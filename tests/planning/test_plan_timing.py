@@ -1,7 +1,7 @@
 """The plan's time model against steps measured on a GPU, and the choice it makes: the fastest setting that fits."""
 import pytest
 
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import memory, realise, search, shapes
 from sat_patches.planning import timing
 
 # One H200, full-size CogVLM (cogvlm-base-490), LoRA rank 10 on the language model and EVA, 1288 tokens per
@@ -16,11 +16,11 @@ H200_STEPS = [
     (8, None, 1.17, 134.2),
     (1, None, 0.431, None),
 ]
-CONFIG = plan.MODELS["cogvlm-base-490"]
+CONFIG = shapes.MODELS["cogvlm-base-490"]
 
 
 def _setup(micro_batch, skip, **fields):
-    return plan.Setup(micro_batch=micro_batch, seq_len=1288, checkpoint_activations=skip is not None,
+    return memory.Setup(micro_batch=micro_batch, seq_len=1288, checkpoint_activations=skip is not None,
                       checkpoint_skip_layers=skip or 0, **fields)
 
 
@@ -50,7 +50,7 @@ def test_memory_grows_with_the_layers_left_out_of_checkpointing_as_measured():
     """About 22 GB per quarter of the layers at micro-batch 8 (language and the same share of EVA's), and the
     plan at or above each measured peak (it adds its terms' peaks)."""
     measured = [(skip, gb) for mb, skip, _, gb in H200_STEPS if gb is not None]
-    planned = [plan.estimate(CONFIG, _setup(8, skip)).per_gpu / plan.GB for skip, _ in measured]
+    planned = [memory.estimate(CONFIG, _setup(8, skip)).per_gpu / memory.GB for skip, _ in measured]
     for (_, gb), p in zip(measured, planned):
         assert gb <= p <= gb * 1.10, (gb, p)
     for i in range(1, len(measured)):
@@ -75,14 +75,14 @@ def test_a_card_is_named_given_in_tflops_or_assumed_from_its_memory():
 
 
 def _recommend(gb, **kw):
-    return plan.recommend(plan.options(CONFIG, 1, gb, seq_len=1288, **kw))
+    return search.recommend(search.options(CONFIG, 1, gb, seq_len=1288, **kw))
 
 
 @pytest.mark.parametrize("gb", [24, 48, 80, 141])
 def test_the_chosen_row_fits_within_its_own_memory_estimate(gb):
     best = _recommend(gb)
-    assert best.viable and best.estimate.per_gpu <= gb * plan.GB * (1 - plan.GPU_MARGIN)
-    again = plan.estimate(CONFIG, best.estimate.setup)
+    assert best.viable and best.estimate.per_gpu <= gb * memory.GB * (1 - search.GPU_MARGIN)
+    again = memory.estimate(CONFIG, best.estimate.setup)
     assert again.per_gpu == best.estimate.per_gpu
 
 
@@ -93,10 +93,10 @@ def test_spare_memory_is_spent_on_speed(gb):
     best = _recommend(gb)
     s = best.estimate.setup
     assert s.micro_batch == 8 and (s.checkpoint_skip_layers > 0 or not s.checkpoint_activations)
-    every = [o for o in plan.options(CONFIG, 1, gb, seq_len=1288, micro_batch=8, checkpoint_skip_layers=0,
+    every = [o for o in search.options(CONFIG, 1, gb, seq_len=1288, micro_batch=8, checkpoint_skip_layers=0,
                                      zero=s.zero, offload=s.offload, qlora=False)]
     assert best.time.tokens_per_s > 1.1 * every[0].time.tokens_per_s
-    assert best.estimate.per_gpu > every[0].estimate.per_gpu + 15 * plan.GB
+    assert best.estimate.per_gpu > every[0].estimate.per_gpu + 15 * memory.GB
 
 
 def test_more_memory_buys_more_speed():
@@ -106,18 +106,18 @@ def test_more_memory_buys_more_speed():
 
 
 def test_a_given_skip_or_no_checkpointing_is_the_only_one_planned():
-    assert {o.estimate.setup.checkpoint_skip_layers for o in plan.options(CONFIG, 1, 80, checkpoint_skip_layers=4)} == {4}
+    assert {o.estimate.setup.checkpoint_skip_layers for o in search.options(CONFIG, 1, 80, checkpoint_skip_layers=4)} == {4}
     assert not any(o.estimate.setup.checkpoint_activations
-                   for o in plan.options(CONFIG, 1, 80, checkpoint_activations=False))
+                   for o in search.options(CONFIG, 1, 80, checkpoint_activations=False))
 
 
 def test_checkpoint_options_and_script_settings_carry_the_skip():
     s = _setup(8, 10)
-    assert plan.checkpoint_options(s) == ["--checkpoint-activations", "--vit_checkpoint_activations",
+    assert realise.checkpoint_options(s) == ["--checkpoint-activations", "--vit_checkpoint_activations",
                                           "--checkpoint-skip-layers", "10"]
-    assert plan.script_settings(s)["CHECKPOINT_SKIP_LAYERS"] == "10"
-    assert plan.checkpoint_options(_setup(8, None)) == []
-    assert plan.script_settings(_setup(8, None))["CHECKPOINT_ACTIVATIONS"] == "0"
+    assert realise.script_settings(s)["CHECKPOINT_SKIP_LAYERS"] == "10"
+    assert realise.checkpoint_options(_setup(8, None)) == []
+    assert realise.script_settings(_setup(8, None))["CHECKPOINT_ACTIVATIONS"] == "0"
 
 
 @pytest.mark.parametrize("gb, card", [(80, "h100"), (141, "h200")])

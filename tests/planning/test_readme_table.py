@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from sat_patches.planning import estimator as plan
+from sat_patches.planning import memory, search, shapes
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 MODELS = {"CogVLM": "cogvlm-base-490", "CogAgent": "cogagent-chat"}
@@ -26,10 +26,10 @@ def table_rows():
 def recommended(model, train, gpus, mem):
     """(MP, DS_CONFIG, micro-batch, GB per GPU, QLoRA, layers left out of checkpointing) of the plan's
     recommendation."""
-    config = plan.resolve_model(model)
-    best = plan.recommend(plan.options(config, gpus, mem, train=train, seq_len=plan.default_seq_len(config)))
+    config = shapes.resolve_model(model)
+    best = search.recommend(search.options(config, gpus, mem, train=train, seq_len=shapes.default_seq_len(config)))
     s = best.estimate.setup
-    return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / plan.GB,
+    return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / memory.GB,
             s.qlora, s.checkpoint_skip_layers)
 
 

@@ -112,7 +112,7 @@ def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
                                    "MP_SIZE": "2", "DS_CONFIG": "zero2_offload.json"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
-    assert "--num_gpus 2 --module sat_patches.launch -m sat_patches.finetune train --kind cogagent" in cmd
+    assert "--num_gpus 2 --module sat_patches.launch -m sat_patches finetune train --kind cogagent" in cmd
     for expected in ("--model-parallel-size 2", "--from_pretrained cogagent-chat", "--max_length 400",
                      "--lora_rank 50", "--train-iters 2000", "--version chat", "configs/zero2_offload.json"):
         assert expected in cmd

@@ -1,0 +1,98 @@
+"""Choosing a run's settings: every (model-parallel size, ZeRO stage, offload, micro-batch, checkpointing)
+combination for a box, each with its memory, verdict and predicted step, and the one to recommend."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import List, Optional
+
+from .memory import GB, Estimate, Setup, estimate
+from .shapes import heads
+from .timing import Card, StepTime, card, step_time
+
+GPU_MARGIN = 0.05              # keep this fraction of the card free
+HOST_MARGIN = 0.10
+
+
+@dataclass
+class Option:
+    estimate: Estimate
+    fits_gpu: bool
+    fits_host: bool
+    reason: str = ""
+    time: Optional[StepTime] = None     # predicted on the card the options were made for
+
+    @property
+    def viable(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+
+def model_parallel_sizes(config: dict, world: int) -> List[int]:
+    return [m for m in range(1, world + 1) if world % m == 0 and all(n % m == 0 for n in heads(config))]
+
+
+def _checkpointing(config: dict, setup: Setup, fits) -> List[Setup]:
+    """The checkpointing settings worth timing for ``setup``: every layer checkpointed (the least memory), the
+    most layers left out of it that still ``fits`` (SAT's ``checkpoint_skip_layers``: the fastest with
+    checkpointing; memory grows with it, so a bisection finds it) and none checkpointed."""
+    def skipping(k: int) -> Setup:
+        return replace(setup, checkpoint_activations=True, checkpoint_skip_layers=k)
+    low, high = 0, config["num_layers"] - 1          # SAT keeps at least one layer checkpointed
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(skipping(middle)) else (low, middle - 1)
+    return [skipping(k) for k in sorted({0, low})] + [replace(setup, checkpoint_activations=False)]
+
+
+def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[float] = None, nodes: int = 1,
+            zero: Optional[int] = None, offload: Optional[bool] = None, micro_batch: Optional[int] = None,
+            gpu: Optional[Card] = None, checkpoint_skip_layers: Optional[int] = None,
+            **setup_fields) -> List[Option]:
+    """Every (MP, ZeRO, offload, micro-batch, checkpointing) combination, each with its estimate, verdict and
+    predicted step on ``gpu`` (default: the card :func:`sat_patches.planning.timing.card` assumes from
+    ``gpu_mem_gb``). Checkpointing: all layers, the most left out that fit, none (:func:`_checkpointing`);
+    only ``checkpoint_skip_layers`` when given; none with ``checkpoint_activations=False``."""
+    gpu = gpu or card(memory_gb=gpu_mem_gb)[0]
+    gpu_bytes = gpu_mem_gb * GB * (1 - GPU_MARGIN)
+    mps = model_parallel_sizes(config, gpus * nodes)
+    zeros = [zero] if zero is not None else [0, 1, 2]
+    offloads = [offload] if offload is not None else [False, True]
+    batches = [micro_batch] if micro_batch else [1, 2, 4, 8]
+    qloras = [setup_fields.pop("qlora")] if "qlora" in setup_fields else [False, True]
+    if setup_fields.get("train", "lora") != "lora":
+        qloras = [q for q in qloras if not q]  # QLoRA trains the adapters only
+    out = []
+    for mp, z, off, mb, q in itertools.product(mps, zeros, offloads, batches, qloras):
+        if off and z == 0:
+            continue  # DeepSpeed offloads the optimizer only under ZeRO
+        if q and mp > 1:
+            continue  # an NF4 base has no model-parallel forward
+        base = Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, qlora=q, **setup_fields)
+        if not base.checkpoint_activations:
+            setups = [base]
+        elif checkpoint_skip_layers is not None:
+            setups = [replace(base, checkpoint_skip_layers=checkpoint_skip_layers)]
+        else:
+            setups = _checkpointing(config, base, lambda s: estimate(config, s).per_gpu <= gpu_bytes)
+        for setup in setups:
+            est = estimate(config, setup)
+            fits_gpu = est.per_gpu <= gpu_bytes
+            fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
+            reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
+            if not fits_host:
+                reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
+            out.append(Option(est, fits_gpu, fits_host, reason, step_time(config, setup, gpu.tflops)))
+    return out
+
+
+def _preference(o: Option):
+    s = o.estimate.setup
+    return (s.qlora, s.mp, s.offload, -o.time.tokens_per_s, {2: 0, 1: 1, 0: 2}.get(s.zero, 3))
+
+
+def recommend(opts: List[Option]) -> Optional[Option]:
+    """The viable option without QLoRA if there is one (a bf16 base), with the smallest MP (most data
+    parallelism), then no offload, then the most tokens per second predicted (micro-batch and checkpointing:
+    spare memory spent on speed), then ZeRO-2 (upstream's stage)."""
+    viable = [o for o in opts if o.viable]
+    return min(viable, key=_preference) if viable else None
