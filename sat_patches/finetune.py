@@ -1,9 +1,10 @@
 """``python -m sat_patches.finetune``, the same as ``sat-patches finetune`` (:mod:`sat_patches.cli.finetune`); the
 trainer itself is :mod:`sat_patches.cogvlm.standalone`."""
 
-from .cli import exit_now
+import sys
+
 from .cli.finetune import main
 from .cogvlm.standalone import train  # noqa: F401  (for code that imported it from here)
 
 if __name__ == "__main__":
-    exit_now(main())
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """``python -m sat_patches.export ...`` is ``sat-patches export ...`` (:mod:`sat_patches.cli.export`)."""
 
-from ..cli import exit_now
+import sys
+
 from ..cli.export import main
 
-exit_now(main())
+sys.exit(main())
