@@ -7,6 +7,8 @@ import pytest
 
 from sat_patches.launch import split_launcher_args
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 SCRIPT = """
 import sys
 import sat_patches
@@ -40,16 +42,32 @@ def test_missing_script_is_a_clear_error(tmp_path):
     assert out.returncode != 0 and "no such script" in out.stderr
 
 
+def test_a_module_runs_as_python_m_runs_it_and_a_missing_one_is_a_clear_error(tmp_path):
+    (tmp_path / "satp_pkg").mkdir()
+    (tmp_path / "satp_pkg" / "__init__.py").write_text("")
+    (tmp_path / "satp_pkg" / "__main__.py").write_text(
+        "import sys\nprint('RAN', __name__, __spec__.name, __package__, sys.argv[1:], "
+        "sys.modules['__main__'].__file__ == __file__ == sys.argv[0])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    out = subprocess.run([sys.executable, "-m", "sat_patches.launch", "-m", "satp_pkg", "--lr", "1"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "RAN __main__ satp_pkg.__main__ satp_pkg ['--lr', '1'] True" in out.stdout, \
+        out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "sat_patches.launch", "-m", "satp_pkg.nope"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1 and "sat_patches.launch: no module named satp_pkg.nope" in out.stderr, out.stderr
+
+
 EXITING = """
-import atexit, sys, threading, time
+import atexit, os, sys, threading, time
 log = open(sys.argv[1], "w")  # left open, its last line unflushed: the exit must flush it
 log.write("trained\\n")
 atexit.register(lambda: open(sys.argv[1] + ".handler", "w").write("closed"))  # as tensorboard's writer registers
 
 
 class Teardown:  # a module global's finaliser: runs in the interpreter's teardown only
-    def __del__(self):
-        sys.stdout.write("TEARDOWN\\n")
+    def __del__(self, write=os.write):  # (sys.stdout may be gone by then)
+        write(1, b"TEARDOWN\\n")
 
 
 teardown = Teardown()
@@ -70,21 +88,18 @@ if sys.argv[2] == "own-group":  # a process group the script made itself (not th
 """
 
 
-@pytest.mark.parametrize("case", ["quick", "quick-off", "writer-thread",
-                                  pytest.param("own-group", marks=pytest.mark.slow)])
-def test_a_returned_script_exits_without_the_teardown_losing_nothing(tmp_path, case):
-    """A rank whose script returned exits once its exit handlers ran and its open files are flushed, without the
-    interpreter's teardown (seconds after torch, SAT and a model); with SAT_PATCHES_QUICK_EXIT=0, or a thread the
-    script started still running, it exits as Python does. A process group the script left up is destroyed first
-    (left to the teardown, gloo's threads can abort the process)."""
+@pytest.mark.parametrize("case", ["plain", "writer-thread", pytest.param("own-group", marks=pytest.mark.slow)])
+def test_a_returned_script_exits_as_python_does_its_own_group_destroyed_first(tmp_path, case):
+    """A rank whose script returned exits as Python does: its exit handlers, the threads it started and the
+    interpreter's teardown (which flushes the files it left open) all run. A process group the script left up is
+    destroyed first (left to the teardown, gloo's threads can abort the process)."""
     script, log = tmp_path / "train.py", tmp_path / "log.txt"
     script.write_text(EXITING)
-    env = dict(os.environ, SAT_PATCHES_QUICK_EXIT="0" if case == "quick-off" else "1")
     out = subprocess.run([sys.executable, "-m", "sat_patches.launch", str(script), str(log), case],
-                         capture_output=True, text=True, timeout=120, env=env)
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert log.read_text() == "trained\n" and (tmp_path / "log.txt.handler").read_text() == "closed"
-    assert ("TEARDOWN" in out.stdout) == (case in ("quick-off", "writer-thread")), out.stdout
+    assert "TEARDOWN" in out.stdout, out.stdout
     if case == "writer-thread":
         assert (tmp_path / "log.txt.late").read_text() == "done"
     assert (tmp_path / "log.txt.destroyed").exists() == (case == "own-group")

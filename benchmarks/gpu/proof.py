@@ -202,10 +202,11 @@ def main(argv=None) -> int:
     if opts.part:
         run_part(opts.part, opts.tiny, opts.part_json, opts.scratch or tempfile.gettempdir(), opts.hf_code,
                  opts.peer_site, opts.checkout)
-        # its rows are written: the part's process exits without the interpreter's teardown, in which a tiny part
-        # b on CPU once aborted ("terminate called without an active exception", status -6) after its last row
-        from sat_patches.cli import exit_now
-        exit_now(0)
+        # its rows are written; a process group still up goes before the interpreter's teardown, in which gloo's
+        # threads once aborted a tiny part b on CPU after its last row (pytorch/pytorch#190489)
+        from sat_patches.runtime.distributed import destroy_group_at_exit
+        destroy_group_at_exit()
+        return 0
     print(cost_preview(opts.parts, opts.time_scale), flush=True)
     os.makedirs(opts.out, exist_ok=True)
     result = {"tiny": opts.tiny, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {}, "parts": {}}

@@ -124,8 +124,6 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "how long a collective may take before every rank's stack is dumped (unset: torch's 30 min)"),
     Setting("SAT_PATCHES_HEARTBEAT_TIMEOUT", "seconds", 300.0, "seconds of silence that mark a rank dead",
             zero_turns_off=True),
-    Setting("SAT_PATCHES_QUICK_EXIT", "switch", True, "a rank whose script returned exits once its exit handlers "
-            "ran and its files are flushed, without the interpreter's teardown"),
     # diagnostics
     Setting("SAT_PATCHES_LEDGER", "switch", True, "record the memory ledger"),
     Setting("SAT_PATCHES_LEDGER_DIR", "text", None, "where the ledger and console files go (default: the run's "

@@ -44,7 +44,7 @@ from sat_patches.core import kinds
 from sat_patches.core.ports import free_port
 from sat_patches.cogvlm.trainer import lm_loss, model_inputs
 from sat_patches.checkpoints.merge import merge
-from sat_patches.runner.one_process import latest_run
+from sat_patches.runner.steps import latest_run
 
 FORK_PATCHES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")  # sat_patches.patches.fork_models
 
@@ -269,5 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ..cli import exit_now  # without the teardown of the model it built (SAT's one-process group destroyed first)
-    exit_now(main())
+    sys.exit(main())

@@ -4,10 +4,9 @@ Four modes, chosen in this order:
 - checkout, CPU ranks (the script sits in a CogVLM checkout's ``finetune_demo/`` and ``CPU_RANKS`` is
   set): a smoke test of that checkout's own, unchanged demo before paying for GPUs. A tiny checkpoint
   built with the checkout's ``utils.models`` classes, a local tokenizer and CAPTCHA images are made
-  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (gloo; the
-  ranks forked by :mod:`sat_patches.runner.cpu_ranks`) through ``sat_patches.launch``, saves every
-  model-parallel shard, merges its LoRA and saves the merged model as upstream's demo does; then the
-  shards are checked and the merged model is reloaded;
+  under ``WORK_DIR``; the demo trains a few steps on ``CPU_RANKS`` ranks at ``MP_SIZE`` (gloo; torchrun
+  starts them) through ``sat_patches.launch``, saves every model-parallel shard, merges its LoRA and saves the
+  merged model as upstream's demo does; then the shards are checked and the merged model is reloaded;
 - checkout: that demo runs through ``sat_patches.launch`` under DeepSpeed on GPUs, with upstream's
   options (no GPU and no ``CPU_RANKS``: one message naming both ways out);
 - GPU standalone: GPUs are visible: our ``sat_patches finetune train`` runs under DeepSpeed on
@@ -38,7 +37,7 @@ from ..core.kinds import KINDS
 from ..core.ports import free_port
 from ..planning import realise, search, shapes
 from ..planning.memory import Setup
-from . import cpu_ranks, one_process
+from . import steps
 from .finetune_check import check, config_path, data_errors, visible_gpus
 
 # upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
@@ -246,10 +245,9 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
 
 
 def cpu_launcher() -> List[str]:
-    """The launcher of CPU ranks (:mod:`sat_patches.runner.cpu_ranks`: torchrun's worker environment, each rank
-    forked after the imports every rank makes), run by this interpreter: the ranks get the Python (and the
-    sat_patches) that runs the script."""
-    return [sys.executable, "-m", cpu_ranks.__name__]
+    """The launcher of CPU ranks: torchrun, run by this interpreter (the ranks get the Python, and the
+    sat_patches, that runs the script)."""
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
@@ -270,7 +268,7 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
         [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches", "finetune", "train", "--kind", kind, *options],
-        [py, "-m", "sat_patches", "merge", one_process.latest_run_under(paths["save"]), os.path.join(work, "merged")],
+        [py, "-m", "sat_patches", "merge", steps.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches", "finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
@@ -402,8 +400,7 @@ def main(argv=None) -> int:
         commands = checkout_cpu_commands(env, kind)
     else:
         commands = gpu_commands(env, kind, run_mode == "checkout")
-    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; the CPU ranks' launcher
-    # sets its own
+    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
     run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
     if on_cpu:
@@ -415,37 +412,14 @@ def main(argv=None) -> int:
             print(f"note: {line}", flush=True)
     if cwd:
         print(f"+ cd {shlex.quote(cwd)}", flush=True)
-    for group in steps(commands):
-        if env.get("DRY_RUN") == "1":
-            for cmd in group:
-                print(one_process.step_line(cmd), flush=True)
-            continue
-        if len(group) > 1:  # one interpreter; it prints each step's line and, on a failure, which step failed
-            code = subprocess.call(one_process.command(group), env=run_env, cwd=cwd)
-            if code != 0:
-                return code
-            continue
-        [cmd] = group
-        print(one_process.step_line(cmd), flush=True)
-        code = subprocess.call(cmd, env=run_env, cwd=cwd)
-        if code != 0:
-            print(one_process.step_failed(cmd, code), file=sys.stderr)
-            return code
+    code = steps.run(commands, run_env, cwd, dry_run=env.get("DRY_RUN") == "1")
+    if code != 0:
+        return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
         print_evaluations(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
     if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(hf_export_dir(env["WORK_DIR"])):
         print(f"Hugging Face export: {hf_export_dir(env['WORK_DIR'])}", flush=True)
     return 0
-
-
-def steps(commands: List[List[str]]) -> List[List[List[str]]]:
-    """``commands`` in the groups they run in: a CPU run's steps (its preparation and its checks are verbs of
-    ours) all from one interpreter (:mod:`sat_patches.runner.one_process`: the verbs in it, the ranks' launcher
-    its child), which imports torch and SAT once for them all; where no step is such a verb (a GPU run), each
-    step alone."""
-    if len(commands) > 1 and any(one_process.verb_module(cmd) for cmd in commands):
-        return [list(commands)]
-    return [[cmd] for cmd in commands]
 
 
 def print_evaluations(save_dir: str) -> None:

@@ -174,6 +174,6 @@ def test_the_test_harness_settings_take_one_line_unless_one_is_set():
     from sat_patches.core import settings
     quiet = format_settings(settings.table({}))
     assert "(the test harness's, at their defaults: SAT_PATCHES_TEST_FRESH, SAT_PATCHES_IMPORT, SAT_PATCHES_CWD)" in quiet
-    assert "SAT_PATCHES_QUICK_EXIT" in quiet and "  SAT_PATCHES_TEST_FRESH " not in quiet
+    assert "SAT_PATCHES_LEDGER" in quiet and "  SAT_PATCHES_TEST_FRESH " not in quiet
     fresh = format_settings(settings.table({"SAT_PATCHES_TEST_FRESH": "1"}))
     assert "  SAT_PATCHES_TEST_FRESH " in fresh and "defaults: SAT_PATCHES_IMPORT, SAT_PATCHES_CWD)" in fresh

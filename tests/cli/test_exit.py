@@ -1,64 +1,48 @@
-"""``sat_patches.cli.exit_now``: a verb's process exits with its status, its output flushed, without the
-interpreter's teardown; a process alone in its process group (SAT's model-only group, as ``merge`` makes) runs its
-exit handlers first (the group destroyed, a save lock given back)."""
+"""The verbs' processes (``python -m sat_patches.merge`` and the like) exit as Python does, with their status: the
+exit handlers and the interpreter's teardown run. Nothing in the library ends its process with ``os._exit`` but the
+hang watchdog's fault path."""
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+import sat_patches
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# the verb's module run as ``python -m`` runs it, after an exit handler and an object only the teardown finalises
 PROGRAM = """
-import atexit, os, sys
-import torch.distributed as dist
-from sat_patches.cli import exit_now
+import atexit, os, runpy, sys
 
 class Finalised:
     def __del__(self, write=os.write):  # os itself may be gone by then
         write(1, b"teardown ran\\n")
 
-kept = Finalised()  # collected in the interpreter's teardown only
-if sys.argv[1] == "group":
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
-atexit.register(lambda: print("exit handler ran; group still there:", dist.is_initialized(), flush=True))
-print("buffered output", end="")
-exit_now(3)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("group", ["group", "none"], ids=["one-process-group", "no-group"])
-def test_exit_now_skips_the_teardown_and_runs_exit_handlers_where_a_group_is_there(tmp_path, group):
-    out = subprocess.run([sys.executable, "-c", PROGRAM, group, str(tmp_path / "store")], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode == 3, out.stderr[-3000:]
-    assert out.stdout.startswith("buffered output") and "teardown ran" not in out.stdout, out.stdout
-    if group == "group":  # the handlers ran, in a normal exit's order (the group's own handler is not ours here)
-        assert "exit handler ran; group still there: True" in out.stdout
-    else:  # a verb without a group: nothing else runs, as before
-        assert "exit handler ran" not in out.stdout
-
-
-VERB = """
-import os, runpy, sys
-
-class Finalised:
-    def __del__(self, write=os.write):
-        write(1, b"teardown ran\\n")
-
 kept = Finalised()
-sys.argv = ["sat_patches", *sys.argv[1:]]
-runpy.run_module("sat_patches", run_name="__main__", alter_sys=True)
+atexit.register(lambda: print("exit handler ran", flush=True))
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.parametrize("verb, quick", [(["finetune"], True), (["report", "no-such-run"], False)],
-                         ids=["own-parser-verb", "other-verb"])
-def test_python_m_sat_patches_exits_without_the_teardown_after_a_verb_with_its_own_parser(verb, quick):
-    """``python -m sat_patches finetune ...`` (a verb that loads torch and SAT) ends as ``exit_now`` ends it; a
-    verb that loads neither exits normally."""
-    out = subprocess.run([sys.executable, "-c", VERB, *verb], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert ("teardown ran" in out.stdout) is not quick, out.stdout
+@pytest.mark.slow  # each imports torch and SAT
+@pytest.mark.parametrize("command", [["sat_patches", "merge"], ["sat_patches", "export", "hf"],
+                                     ["sat_patches.runner.checkout_cpu"]], ids=["merge", "export", "checkout_cpu"])
+def test_a_verb_exits_with_its_status_after_its_exit_handlers_and_the_teardown(command):
+    out = subprocess.run([sys.executable, "-c", PROGRAM, *command, "--no-such-option"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 2 and "usage:" in out.stderr, out.stderr[-3000:]  # argparse's
+    assert out.stdout.splitlines() == ["exit handler ran", "teardown ran"], out.stdout
+
+
+# the fault path: a hung collective's report ends the rank at once, its threads stuck in the collective
+FAULT_PATH = {"diagnostics/watchdog.py"}
+
+
+def test_no_module_ends_its_process_without_the_interpreters_exit_but_the_fault_path():
+    package = pathlib.Path(sat_patches.__file__).parent
+    ending = {str(p.relative_to(package)) for p in package.rglob("*.py") if "os._exit(" in p.read_text()}
+    ending -= {"testing/_rank_main.py"}  # the test harness's rank, not the library's
+    assert ending == FAULT_PATH

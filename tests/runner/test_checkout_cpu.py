@@ -137,7 +137,7 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
     assert lines[0] == f"+ cd {work}"
     assert f"-m sat_patches.runner.checkout_cpu prepare --checkout {checkout} --kind {kind} --workdir {work}" in lines[1]
     train = lines[2]
-    assert "-m sat_patches.runner.cpu_ranks --nproc-per-node 2" in train
+    assert "-m torch.distributed.run --nproc-per-node 2 --master-port " in train
     assert f"-m sat_patches.launch {checkout}/finetune_demo/finetune_{kind}_demo.py " in train
     for option in ("--model-parallel-size 2", f"--from_pretrained {work}/model", f"--local_tokenizer {work}/tokenizer",
                    f"--train-data {work}/data/train", "--train-iters 4", "--use_lora", "configs/cpu_demo.json"):
@@ -170,7 +170,7 @@ def test_a_resumed_checkout_cpu_run_uses_its_prepared_work_dir_again(tmp_path):
     (work / "model" / "latest").write_text("1")
     said, lines = step_lines()
     assert f"note: RESUME: the model, tokenizer and data prepared in {work} are used again" in said, said
-    assert "sat_patches.runner.cpu_ranks" in lines[0] and f"--mode pretrain --load {run_dir}" in lines[0], lines
+    assert "-m torch.distributed.run" in lines[0] and f"--mode pretrain --load {run_dir}" in lines[0], lines
     assert not any("checkout_cpu prepare" in l for l in lines) and "checkout_cpu verify" in lines[-1]
 
 

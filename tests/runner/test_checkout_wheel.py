@@ -90,7 +90,7 @@ def test_wheel_in_a_checkout_trains_cogagents_demo_on_two_cpu_ranks_with_every_c
     run_env = dict(env, CPU_RANKS="2", TRAIN_ITERS="2", EVAL_INTERVAL="2", EXTRA_ARGS="--eval-iters 1",
                    SAT_PATCHES_SHARED_GPU="1")
     out = subprocess.run(["bash", script], capture_output=True, text=True, env=run_env, cwd=tmp_path, timeout=900)
-    assert re.search(r"\+ \S*/venv/bin/python -m sat_patches\.runner\.cpu_ranks --nproc-per-node 2 ", out.stdout), \
+    assert re.search(r"\+ \S*/venv/bin/python -m torch\.distributed\.run --nproc-per-node 2 ", out.stdout), \
         out.stdout[-3000:]
     assert_checkout_cpu_run_succeeded(out, str(tmp_path / "sat_patches_demo" / "checkout-cogagent"), "cogagent",
                                       iters=2)
