@@ -373,9 +373,26 @@ def fire(reason: str, thread_id: Optional[int], leader: bool, where: Optional[st
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
     sys.stdout.flush()
-    if posted and _watchdog is not None:
-        time.sleep(2 * _watchdog.poll + 1)  # this rank may host the store: let the others read the news
+    if _watchdog is not None:
+        if posted:
+            time.sleep(2 * _watchdog.poll + 1)  # this rank may host the store: let the others read the news
+        elif not leader:
+            _linger(_watchdog.poll)
     os._exit(status)
+
+
+def _linger(poll: float) -> None:
+    """(a rank told by another) Exit after the reporting rank: this rank's exit closes its connections, which
+    would fail the reporter's blocked collective before its own report exits (status 1, not
+    :data:`EXIT_CODE`). Until the store is gone (its host, usually the reporter, exited), at most as long
+    as the reporter waits."""
+    store, deadline = group_store(single_rank_too=True), time.monotonic() + 2 * poll + 2
+    while store is not None and time.monotonic() < deadline:
+        try:
+            store.check([STORE_KEY])
+        except Exception:  # noqa: BLE001  (the host has exited)
+            return
+        time.sleep(poll / 4)
 
 
 def _post(message: str) -> bool:

@@ -71,6 +71,30 @@ def test_forced_hang_dumps_every_rank_within_the_timeout_and_exits_nonzero():
     assert "This rank is in no collective; it is at" in follower.stderr and "_slow_preprocessing" in follower.stderr
 
 
+def hang_in_recv():
+    """Rank function: rank 0 waits in ``recv`` (gloo gives it no timeout) outside any SAT call; rank 1 never sends."""
+    import sat
+    sat.get_args(list(ARGS))
+    print(f"hang starts at {time.time():.3f}", flush=True)
+    if torch.distributed.get_rank() == 1:
+        _slow_preprocessing()
+    torch.distributed.recv(torch.zeros(1), src=1)
+    return "no hang"
+
+
+@pytest.mark.slow
+def test_a_collective_without_a_timeout_of_its_own_is_ended_by_the_watchdog():
+    """The watchdog reads each thread's stack: a collective that torch never times out (gloo's recv) is seen."""
+    leader, follower = run_ranks(hang_in_recv, 2, timeout=180, env={hangs.ENV: str(TIMEOUT)})
+    for r in (leader, follower):
+        assert not r.timed_out and r.returncode == hangs.EXIT_CODE, r.output[-3000:]
+        started = float(re.search(r"hang starts at ([\d.]+)", r.stdout).group(1))
+        assert TIMEOUT - 0.5 <= _dump_time(r.stderr) - started <= TIMEOUT + 5, r.stderr[-2000:]
+    assert f"collective 'recv' did not complete within {TIMEOUT} s. Blocked in: " in leader.stderr, leader.stderr[-2000:]
+    assert re.search(r"test_hangs.py:\d+ in hang_in_recv\(\)", leader.stderr)
+    assert "another rank ended the run (rank 0: collective 'recv'" in follower.stderr
+
+
 @pytest.mark.slow
 def test_a_terminated_rank_dumps_names_its_sat_call_and_the_others_end():
     """torchrun SIGTERMs the other ranks when one fails: a rank blocked in a collective (gloo's timeout far off)
