@@ -40,7 +40,8 @@ def _torch_owned(owner: Optional[str], attr: str) -> bool:
     """Whether ``owner.attr`` is a name of torch.distributed (or of its modules and objects) or torch.compile."""
     if owner is None:
         return False
-    return owner == "torch.distributed" or owner.startswith("torch.distributed.") or f"{owner}.{attr}" == "torch.compile"
+    return (owner == "torch.distributed" or owner.startswith("torch.distributed.")
+            or f"{owner}.{attr}" == "torch.compile")
 
 
 def _assignment_targets(node: ast.AST) -> List[ast.AST]:

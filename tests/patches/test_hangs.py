@@ -90,7 +90,8 @@ def test_a_collective_without_a_timeout_of_its_own_is_ended_by_the_watchdog():
         assert not r.timed_out and r.returncode == hangs.EXIT_CODE, r.output[-3000:]
         started = float(re.search(r"hang starts at ([\d.]+)", r.stdout).group(1))
         assert TIMEOUT - 0.5 <= _dump_time(r.stderr) - started <= TIMEOUT + 5, r.stderr[-2000:]
-    assert f"collective 'recv' did not complete within {TIMEOUT} s. Blocked in: " in leader.stderr, leader.stderr[-2000:]
+    assert f"collective 'recv' did not complete within {TIMEOUT} s. Blocked in: " in leader.stderr, \
+        leader.stderr[-2000:]
     assert re.search(r"test_hangs.py:\d+ in hang_in_recv\(\)", leader.stderr)
     assert "another rank ended the run (rank 0: collective 'recv'" in follower.stderr
 
