@@ -4,7 +4,7 @@
     python benchmarks/step_overhead.py --small    # a few seconds, to try it out
 
 The diagnostics are what sat_patches adds to every step and collective without changing the result: the
-memory ledger (``ledger_*``), the hang watchdog around every collective (``hang_watch_*``,
+memory ledger (``ledger_*``), the hang watchdog around SAT's collective calls (``hang_watch_*``,
 ``collective_timeout``) and the rank heartbeat (``rank_heartbeat``). Both variants run SAT's own
 ``training_main`` (``sat_patches.testing.tiny_lora``) on 2 CPU ranks over gloo, in the same two processes,
 in turns: a run with the diagnostics and one with them removed (``sat_patches.testing.patches_removed``),
@@ -30,9 +30,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 DIAGNOSTICS = ["rank_heartbeat", "collective_timeout", "ledger_build", "ledger_lora", "ledger_start", "ledger_load",
                "ledger_from_pretrained", "ledger_split_rank0", "ledger_split_receive", "ledger_deepspeed_init",
-               "ledger_train_step"] + [f"hang_watch_{name}" for name in (
-                   "barrier", "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
-                   "reduce_scatter_tensor", "broadcast_object_list", "gather", "send", "recv")]
+               "ledger_train_step", "hang_watch_parameter_sync", "hang_watch_train_step", "hang_watch_evaluate",
+               "hang_watch_save_checkpoint", "hang_watch_broadcast_data", "hang_watch_training_main"]
 FULL = ["--hidden-size", "1024", "--num-layers", "4", "--num-attention-heads", "16", "--train-iters", "60"]
 SMALL = ["--hidden-size", "128", "--num-layers", "2", "--train-iters", "20"]
 WARM_UP = 5

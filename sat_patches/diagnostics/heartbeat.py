@@ -103,7 +103,7 @@ class Heartbeat:
     def fire(self, reason: str) -> None:
         """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
         dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
-        hangs.fire(reason, threading.main_thread().ident, leader=True, in_collective=hangs.in_collective())
+        hangs.fire(reason, threading.main_thread().ident, leader=True)
 
     def wait_for_dead(self) -> Optional[str]:
         """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is

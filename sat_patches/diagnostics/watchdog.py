@@ -1,15 +1,21 @@
 """The hang watchdog: a collective that does not complete within the collective timeout ends the run on every
-rank with each rank's Python stacks and exit status :data:`EXIT_CODE` (124, as coreutils' ``timeout``).
+rank with each rank's Python stacks, the SAT call it waited in, and exit status :data:`EXIT_CODE` (124, as
+coreutils' ``timeout``). Torch's functions are left as they are: the watchdog reads where each thread is
+(:func:`sys._current_frames`), SAT's calls are wrapped by :mod:`sat_patches.patches.hangs` (:func:`in_sat_call`),
+and the timeouts are the process groups' own.
 """
 from __future__ import annotations
 
 import datetime
 import faulthandler
 import os
+import select
+import signal
+import socket
 import sys
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
@@ -23,6 +29,9 @@ ENV = "SAT_PATCHES_COLLECTIVE_TIMEOUT"
 EXIT_CODE = 124                 # as coreutils' timeout
 
 
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM   # as a shell reports a process ended by SIGTERM
+
+
 STORE_KEY = "sat_patches/collective_timeout"
 
 
@@ -34,6 +43,16 @@ MAX_BACKSTOP = 7 * 24 * 3600.0
 
 COLLECTIVES = ("barrier", "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast_object_list", "gather", "send", "recv")
+"""The blocking ``torch.distributed`` functions the watchdog times when it finds a thread inside one. Not
+``monitored_barrier``: it has a timeout argument of its own (the preprocessing wait uses it)."""
+
+
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+"""Torch's NCCL flight recorder: on an NCCL timeout each rank writes its last collectives to
+``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_<rank>``)."""
+
+
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 
 
 def collective_timeout() -> Optional[float]:
@@ -41,77 +60,231 @@ def collective_timeout() -> Optional[float]:
     return settings.read(ENV)
 
 
+def enable_nccl_flight_recorder(environ=os.environ, nccl: Optional[bool] = None) -> List[str]:
+    """Where NCCL can run, turn on torch's NCCL flight recorder (read when an NCCL group is created), keeping
+    any value the user set. Returns the variables set."""
+    if nccl is None:
+        import torch
+        nccl = dist.is_nccl_available() and torch.cuda.is_available()
+    chosen = [k for k in NCCL_FLIGHT_RECORDER if nccl and k not in environ]
+    for key in chosen:
+        environ[key] = NCCL_FLIGHT_RECORDER[key]
+    return chosen
+
+
+# -- the SAT calls each thread is in ---------------------------------------------------------
+_sat_calls: Dict[int, List[str]] = {}     # thread id -> names of the SAT calls it is in, innermost last
+
+
+def sat_call_of(thread_id: Optional[int]) -> Optional[str]:
+    """The innermost SAT call (wrapped by :mod:`sat_patches.patches.hangs`) the thread is in, or None."""
+    calls = _sat_calls.get(thread_id or threading.main_thread().ident)
+    return calls[-1] if calls else None
+
+
+def in_sat_call(name: str, original, *args, **kwargs):
+    """Run SAT's ``original`` (one of SAT's functions that run collectives), recorded as "SAT's ``name``" for
+    this rank's reports. A collective in it that fails with its process group's timeout (gloo raises; the
+    watchdog thread can be a poll later) makes the same report as the watchdog (:func:`fire`): stock SAT
+    raises on one rank and leaves the others waiting."""
+    calls = _sat_calls.setdefault(threading.get_ident(), [])
+    calls.append(name)
+    try:
+        return original(*args, **kwargs)
+    except Exception as exc:
+        watchdog = current_watchdog()
+        if watchdog is not None and watchdog.fired.locked():
+            # the watchdog is reporting a hang of this rank and exits the process; a peer that already exited
+            # can fail this rank's collective first ("Connection closed by peer"): wait for that exit
+            with watchdog.fired:
+                raise
+        if TIMED_OUT in error_kinds(exc) and _raised_in_torch_distributed(exc):
+            seconds = watchdog.timeout if watchdog is not None else _default_timeout()
+            frames = _traceback_frames(exc)
+            fire(f"collective '{_collective_name(frames) or '?'}' did not complete within {seconds:g} s "
+                 f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True,
+                 where=_describe(frames, True, name))
+        raise
+    finally:
+        calls.pop()
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    """Raised by torch.distributed itself (a collective, the store), not an error of SAT's or of ours that
+    mentions a timeout (the preprocessing wait's, say)."""
+    frames = _traceback_frames(exc)
+    return bool(frames) and _TORCH_DISTRIBUTED in frames[0][0].f_code.co_filename
+
+
+def _traceback_frames(exc: BaseException) -> list:
+    """(frame, line) of ``exc``'s traceback, innermost first."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames[::-1]
+
+
+def _stack_frames(thread_id: Optional[int], frame=None) -> list:
+    """(frame, line) of a thread's stack now (from its innermost ``frame`` when given), innermost first,
+    without this module's frames."""
+    if frame is None:
+        frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
+    frames = []
+    while frame is not None:
+        if frame.f_code.co_filename != __file__:
+            frames.append((frame, frame.f_lineno))
+        frame = frame.f_back
+    return frames
+
+
+def _collective_frame(frames: list):
+    """The torch.distributed collective (of :data:`COLLECTIVES`) that the innermost frames are inside, or None:
+    the outermost such function of the innermost run of torch.distributed frames (broadcast_object_list, not
+    the broadcast it calls)."""
+    found = None
+    for frame, _ in frames:
+        if _TORCH_DISTRIBUTED not in frame.f_code.co_filename:
+            break
+        if frame.f_code.co_name in COLLECTIVES:
+            found = frame
+    return found
+
+
+def _collective_name(frames: list) -> Optional[str]:
+    frame = _collective_frame(frames)
+    return frame.f_code.co_name if frame is not None else None
+
+
+def _describe(frames: list, in_collective: bool, sat_call: Optional[str]) -> str:
+    """Where a thread is: in a collective, its innermost SAT frame (else its innermost frame outside torch);
+    otherwise its innermost SAT frame, else its innermost frame. Then the SAT call recorded for it."""
+    in_sat, in_torch = _in_package("sat"), _in_package("torch")
+    sat_frame = next((f for f in frames if in_sat(f[0])), None)
+    recorded = f" (in SAT's {sat_call})" if sat_call else ""
+    if in_collective:
+        if sat_frame is not None:
+            return f"Blocked SAT call: {_where(sat_frame)}{recorded}"
+        caller = next((f for f in frames if not in_torch(f[0])), None)
+        return (f"Blocked in: {_where(caller)}" if caller else "Blocked in torch") + recorded
+    if sat_frame is not None:
+        return f"This rank is in no collective; innermost SAT call: {_where(sat_frame)}{recorded}"
+    return (f"This rank is in no collective; it is at {_where(frames[0])}" if frames else "No Python frame") + recorded
+
+
+def blocked_call(thread_id: Optional[int]) -> str:
+    """Where a thread of this rank is now (see :func:`_describe`)."""
+    frames = _stack_frames(thread_id)
+    return _describe(frames, _collective_frame(frames) is not None, sat_call_of(thread_id))
+
+
+def _where(f) -> str:
+    frame, line = f
+    return f"{frame.f_code.co_filename}:{line} in {frame.f_code.co_name}()"
+
+
+def _in_package(name: str):
+    marker = os.sep + name + os.sep
+    return lambda frame: marker in frame.f_code.co_filename
+
+
+def _default_timeout() -> float:
+    return dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
 class Watchdog:
-    """This rank's running collectives (per thread) and the other ranks' reported timeouts."""
+    """A thread that looks at this rank's threads every ``poll`` seconds: one inside the same collective call
+    for longer than ``timeout`` ends the run (:func:`fire`), as does another rank's report in the store and a
+    SIGTERM (:meth:`catch_sigterm`)."""
 
     def __init__(self, timeout: float, poll: float):
         self.timeout, self.poll = timeout, poll
-        self.inflight: Dict[int, tuple] = {}         # thread id -> (collective name, start time)
-        self.local = threading.local()
+        self.blocked: Dict[int, tuple] = {}          # thread id -> (collective frame, first seen), kept per poll
         self.fired = threading.Lock()
         self.stop = threading.Event()
         self.store_failures = 0
-        self.backstop_lock = threading.Lock()
         self.backstop_at: Optional[float] = None     # when faulthandler's backstop exits the process
+        self.wakeup: Optional[socket.socket] = None  # signal.set_wakeup_fd's other end (SIGTERM)
         self.thread = threading.Thread(target=self._run, name="sat_patches-hang-watchdog", daemon=True)
 
-    # -- the timed region around one collective --------------------------------------
-    def enter(self, name: str) -> bool:
-        """Start timing ``name`` unless this thread is already inside a timed collective."""
-        if getattr(self.local, "depth", 0):
-            self.local.depth += 1
-            return False
-        self.local.depth = 1
-        started = time.monotonic()
-        self.inflight[threading.get_ident()] = (name, started)
-        at = started + self.timeout + GRACE
-        # re-armed at most once per poll interval however many collectives run
-        if threading.current_thread() is threading.main_thread() and (
-                self.backstop_at is None or self.backstop_at < at - self.poll):
-            with self.backstop_lock:
-                self._arm_backstop(at)
-        return True
+    # -- what the threads are doing ------------------------------------------------------
+    def look(self) -> None:
+        """Note each thread's collective (the same frame object as at the last look: the same call); report
+        one that has lasted longer than the timeout."""
+        now, me, seen = time.monotonic(), threading.get_ident(), {}
+        for thread_id, innermost in sys._current_frames().items():
+            if thread_id == me:
+                continue
+            frame = _collective_frame(_stack_frames(thread_id, innermost))
+            if frame is None:
+                continue
+            before = self.blocked.get(thread_id)
+            seen[thread_id] = before if before is not None and before[0] is frame else (frame, now)
+        self.blocked = seen   # (holding the frames keeps a finished call's frame from being reused by the next)
+        for thread_id, (frame, since) in seen.items():
+            if now - since > self.timeout:
+                fire(f"collective '{frame.f_code.co_name}' did not complete within {self.timeout:g} s",
+                     thread_id, leader=True)
 
-    def leave(self, outermost: bool) -> None:
-        self.local.depth -= 1
-        if outermost:
-            self.inflight.pop(threading.get_ident(), None)  # the backstop moves on at the watchdog's next look
-
-    # -- faulthandler's backstop ---------------------------------------------------------
-    def _arm_backstop(self, at: Optional[float]) -> None:
-        """(holding ``backstop_lock``) Exit with stacks at monotonic time ``at``; None: never."""
-        if at is None:
+    # -- faulthandler's backstop -----------------------------------------------------------
+    def move_backstop(self) -> None:
+        """Exit with stacks (no Python needed) timeout + grace after the main thread's collective began;
+        cancelled when it is in none. Re-armed only when the deadline moved by more than a poll."""
+        main = self.blocked.get(threading.main_thread().ident)
+        wanted = None if main is None else main[1] + self.timeout + GRACE
+        if wanted == self.backstop_at or (wanted is not None and self.backstop_at is not None
+                                          and abs(wanted - self.backstop_at) <= self.poll):
+            return
+        if wanted is None:
             faulthandler.cancel_dump_traceback_later()
         else:
-            delay = min(max(at - time.monotonic(), 1.0), MAX_BACKSTOP)
+            delay = min(max(wanted - time.monotonic(), 1.0), MAX_BACKSTOP)
             faulthandler.dump_traceback_later(delay, exit=True, file=sys.stderr)
-        self.backstop_at = at
+        self.backstop_at = wanted
 
-    def _move_backstop(self) -> None:
-        """Timeout + grace after the main thread's running collective; cancelled when there is none."""
-        main = self.inflight.get(threading.main_thread().ident)
-        with self.backstop_lock:
-            wanted = None if main is None else main[1] + self.timeout + GRACE
-            if wanted != self.backstop_at and (wanted is None or self.backstop_at is None
-                                               or abs(wanted - self.backstop_at) > self.poll):
-                self._arm_backstop(wanted)
+    # -- SIGTERM (torchrun ends the other ranks with it when one fails) -----------------------
+    def catch_sigterm(self) -> bool:
+        """(main thread) On SIGTERM: faulthandler dumps every thread's stack at once (from C, whatever the
+        main thread is blocked in), then this thread reports where the rank waited and exits
+        :data:`TERMINATED_EXIT_CODE`. Left alone when SIGTERM already has a handler other than the default."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)  # (someone else's) put back: the handler alone reports, once Python runs
+            reader.close(), writer.close()
+        else:
+            self.wakeup, self._writer = reader, writer
+        faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+        os.register_at_fork(after_in_child=_forget_sigterm)
+        return True
 
-    # -- the thread --------------------------------------------------------------------
+    def _wait(self) -> bool:
+        """Sleep a poll; True when a SIGTERM arrived meanwhile."""
+        if self.wakeup is None:
+            self.stop.wait(self.poll)
+            return False
+        ready, _, _ = select.select([self.wakeup], [], [], self.poll)
+        return bool(ready) and signal.SIGTERM in self.wakeup.recv(64)
+
+    # -- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self.stop.wait(self.poll):
-            for thread_id, (name, started) in list(self.inflight.items()):
-                if time.monotonic() - started > self.timeout:
-                    fire(f"collective '{name}' did not complete within {self.timeout:g} s", thread_id, leader=True)
-            self._move_backstop()
+        while not self.stop.is_set():
+            if self._wait():
+                _terminated()
+            self.look()
+            self.move_backstop()
             posted = self._posted()
             if posted is not None:
-                thread_id = next(iter(self.inflight), threading.main_thread().ident)
-                fire(f"another rank reported a collective timeout ({posted})", thread_id, leader=False,
-                     in_collective=bool(self.inflight))
+                thread_id = next(iter(self.blocked), threading.main_thread().ident)
+                fire(f"another rank ended the run ({posted})", thread_id, leader=False)
 
     def _posted(self) -> Optional[str]:
         """What another rank posted in the store; after repeated store failures (the rank hosting
-        the store is gone), a message saying so."""
+        the store is gone) while a thread of this rank waits in a collective, a message saying so."""
         store = group_store(single_rank_too=True)
         if store is None:
             return None
@@ -121,7 +294,7 @@ class Watchdog:
             return store.get(STORE_KEY).decode(errors="replace") if found else None
         except Exception as exc:  # noqa: BLE001
             self.store_failures += 1
-            if self.store_failures >= 3 and self.inflight:
+            if self.store_failures >= 3 and self.blocked:
                 return f"the process group's store is unreachable ({type(exc).__name__}): its host rank has exited"
             return None
 
@@ -141,10 +314,11 @@ def start_watchdog(timeout: Optional[float] = None) -> Watchdog:
             except (RuntimeError, ValueError, AssertionError):
                 pass  # a group this rank is not part of, or a backend without a settable timeout
     if not faulthandler.is_enabled():
-        faulthandler.enable(file=sys.stderr, all_threads=True)
-    seconds = chosen if chosen is not None else dist.distributed_c10d.default_pg_timeout.total_seconds()
+        faulthandler.enable(file=sys.stderr, all_threads=True)   # SIGABRT (NCCL's abort), SIGSEGV: stacks
+    seconds = chosen if chosen is not None else _default_timeout()
     if _watchdog is None:
         _watchdog = Watchdog(seconds, poll=min(1.0, max(0.1, seconds / 10)))
+        _watchdog.catch_sigterm()
         _watchdog.thread.start()
     else:
         _watchdog.timeout = seconds
@@ -156,61 +330,69 @@ def current_watchdog() -> Optional[Watchdog]:
     return _watchdog
 
 
-def in_collective() -> bool:
-    """True while a thread of this rank is inside a timed collective."""
-    return bool(_watchdog is not None and _watchdog.inflight)
+def _on_sigterm(signum, frame) -> None:
+    """Python's handler of SIGTERM (on the main thread, once it runs Python again)."""
+    _terminated()
 
 
-def blocked_call(thread_id: Optional[int], in_collective: bool = True) -> str:
-    """Where a thread is: in a collective, its innermost SAT frame (else its innermost frame outside
-    torch); otherwise its innermost SAT frame, else its innermost frame."""
-    frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
-    stack = []
-    while frame is not None:
-        if frame.f_code.co_filename != __file__:
-            stack.append(frame)
-        frame = frame.f_back
-    in_sat, in_torch = _in_package("sat"), _in_package("torch")
-    sat_frame = next((f for f in stack if in_sat(f)), None)
-    if in_collective:
-        if sat_frame is not None:
-            return f"Blocked SAT call: {_where(sat_frame)}"
-        caller = next((f for f in stack if not in_torch(f)), None)
-        return f"Blocked in: {_where(caller)}" if caller else "Blocked in torch"
-    if sat_frame is not None:
-        return f"This rank is in no collective; innermost SAT call: {_where(sat_frame)}"
-    return f"This rank is in no collective; it is at {_where(stack[0])}" if stack else "No Python frame"
+def _terminated() -> None:
+    fire("received SIGTERM (a launcher such as torchrun ends every rank with it when one rank fails)",
+         threading.main_thread().ident, leader=True, status=TERMINATED_EXIT_CODE, stacks_dumped=True)
 
 
-def _where(f) -> str:
-    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}()"
+def _forget_sigterm() -> None:
+    """A forked child (a DataLoader worker) is no rank: SIGTERM ends it as before, and its signals stay its own."""
+    try:
+        faulthandler.unregister(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
 
 
-def _in_package(name: str):
-    marker = os.sep + name + os.sep
-    return lambda f: marker in f.f_code.co_filename
-
-
-def fire(reason: str, thread_id: Optional[int], leader: bool, in_collective: bool = True) -> None:
-    """Print the header and every thread's stack, tell the other ranks (leader), exit non-zero."""
+def fire(reason: str, thread_id: Optional[int], leader: bool, where: Optional[str] = None,
+         status: int = EXIT_CODE, stacks_dumped: bool = False) -> None:
+    """Print the header (``where`` the thread waited, else read from its stack) and every thread's stack (unless
+    faulthandler just dumped them), tell the other ranks (leader), exit with ``status``."""
     if _watchdog is not None and not _watchdog.fired.acquire(blocking=False):
         _watchdog.fired.acquire()  # another thread of this rank is dumping and will exit the process
+    faulthandler.dump_traceback_later(GRACE, exit=True, file=sys.stderr)   # the report itself cannot hang
     try:
         rank = dist.get_rank()
     except Exception:  # noqa: BLE001  (no process group)
         rank = int(os.environ.get("RANK", "0"))
+    stacks = "were dumped above by faulthandler" if stacks_dumped else "follow"
+    setting = f" ({ENV} sets the timeout)" if status == EXIT_CODE else ""
     header = (f"\nsat_patches: rank {rank} (pid {os.getpid()}) at {time.time():.3f}: {reason}. "
-              f"{blocked_call(thread_id, in_collective)}. Python stacks of every thread follow; exiting with status "
-              f"{EXIT_CODE} ({ENV} sets the timeout).\n")
+              f"{where or blocked_call(thread_id)}. Python stacks of every thread {stacks}; exiting with status "
+              f"{status}{setting}.\n")
     sys.stderr.write(header)
     sys.stderr.flush()
     posted = leader and _post(f"rank {rank}: {reason}")
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    if not stacks_dumped:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
     sys.stdout.flush()
-    if posted and _watchdog is not None:
-        time.sleep(2 * _watchdog.poll + 1)  # this rank may host the store: let the others read the news
-    os._exit(EXIT_CODE)
+    if _watchdog is not None:
+        if posted:
+            time.sleep(2 * _watchdog.poll + 1)  # this rank may host the store: let the others read the news
+        elif not leader:
+            _linger(_watchdog.poll)
+    os._exit(status)
+
+
+def _linger(poll: float) -> None:
+    """(a rank told by another) Exit after the reporting rank: this rank's exit closes its connections, which
+    would fail the reporter's blocked collective before its own report exits (status 1, not
+    :data:`EXIT_CODE`). Until the store is gone (its host, usually the reporter, exited), at most as long
+    as the reporter waits."""
+    store, deadline = group_store(single_rank_too=True), time.monotonic() + 2 * poll + 2
+    while store is not None and time.monotonic() < deadline:
+        try:
+            store.check([STORE_KEY])
+        except Exception:  # noqa: BLE001  (the host has exited)
+            return
+        time.sleep(poll / 4)
 
 
 def _post(message: str) -> bool:
@@ -222,29 +404,3 @@ def _post(message: str) -> bool:
     except Exception:  # noqa: BLE001  (store gone)
         pass
     return False
-
-
-def timed_collective(original, *args, **kwargs):
-    """A blocking ``torch.distributed`` collective (``original``), timed by this rank's watchdog once it runs:
-    stock SAT waits silently in a blocked collective (30 min with gloo). A collective that fails with the
-    process group's own timeout (same length, it can beat the watchdog) makes the same report (:func:`fire`)."""
-    name = original.__name__
-    watchdog = current_watchdog()
-    if watchdog is None or kwargs.get("async_op"):
-        return original(*args, **kwargs)
-    outermost = watchdog.enter(name)
-    try:
-        return original(*args, **kwargs)
-    except Exception as exc:
-        if watchdog.fired.locked():
-            # the watchdog is reporting a hang of this rank and exits the process with EXIT_CODE; a peer that
-            # already exited can fail this collective first ("Connection closed by peer"): wait for that exit
-            with watchdog.fired:
-                raise
-        if outermost and TIMED_OUT in error_kinds(exc):
-            # the process group's own timeout (same length) can beat the watchdog: same report
-            fire(f"collective '{name}' did not complete within {watchdog.timeout:g} s "
-                 f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True)
-        raise
-    finally:
-        watchdog.leave(outermost)

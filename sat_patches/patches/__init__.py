@@ -53,11 +53,13 @@ STACKS = {
         ("collective_timeout", "outermost: the collective timeout is set around all of it"),
     ),
     "sat.training.deepspeed_training:training_main": (
+        ("hang_watch_training_main", "innermost: SAT's own timed-out collective ends the run first"),
         ("rank_heartbeat", "the rank heartbeat runs around SAT's training itself"),
         ("training_main_device", "a passed-in model goes to the compute device before training starts"),
         ("shared_experiment_name", "outermost: rank 0 chooses one experiment name before anything beneath runs"),
     ),
     "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer": (
+        ("hang_watch_parameter_sync", "innermost: SAT's own timed-out collective ends the run first"),
         ("explain_sync_collective", "names the collective when SAT's parameter sync fails"),
         ("trainable_setting", "the adapters-only choice is made before SAT asks the model what trains"),
         ("ledger_deepspeed_init", "the memory row is taken after DeepSpeed's set-up"),
@@ -79,7 +81,16 @@ STACKS = {
         ("from_pretrained_rank_local", "replaces SAT's code without calling it"),
         ("ledger_from_pretrained", "must wrap the replacement to see the call"),
     ),
+    "sat.training.deepspeed_training:train_step": (
+        ("hang_watch_train_step", "innermost: SAT's own timed-out collective ends the run first"),
+        ("ledger_train_step", "the memory row is taken once the step has run"),
+    ),
+    "sat.mpu.data:broadcast_data": (
+        ("broadcast_data_device", "replaces SAT's code without calling it"),
+        ("hang_watch_broadcast_data", "must wrap the replacement to see the call"),
+    ),
     "sat.training.model_io:save_checkpoint": (
+        ("hang_watch_save_checkpoint", "innermost: SAT's own timed-out collective ends the run first"),
         ("resume_optimizer_save", "writes the optimizer shards beside the model's"),
         ("atomic_checkpoint_save", "outermost: stages everything the save writes, shards included, then publishes"),
     ),

@@ -20,9 +20,10 @@ stage and ``SAT_PATCHES_PREPROCESS_TIMEOUT``. One process, or no process group: 
 
 Interplay with the other patches:
 
-* ``hangs`` times ``torch.distributed`` collectives with ``SAT_PATCHES_COLLECTIVE_TIMEOUT``, which
-  would cut a long preprocessing wait. ``monitored_barrier`` is not in ``hangs.COLLECTIVES`` and calls
-  the group's C++ ``monitored_barrier`` directly (no wrapped ``barrier`` inside), so this wait is bounded
+* ``hangs``' watchdog times the ``torch.distributed`` collectives it finds a thread in with
+  ``SAT_PATCHES_COLLECTIVE_TIMEOUT``, which would cut a long preprocessing wait. ``monitored_barrier`` is
+  not in ``hangs.COLLECTIVES`` and calls the group's C++ ``monitored_barrier`` directly (no ``barrier``
+  function inside), so this wait is bounded
   only by ``SAT_PATCHES_PREPROCESS_TIMEOUT`` (tests/test_preprocess.py checks that it stays so).
   ``hangs.start_watchdog`` shortens the timeout of the groups that exist when it runs (in SAT's
   ``initialize_distributed``); the group here is created later, at the first ``make_loaders``.

@@ -96,12 +96,13 @@ def test_from_import_aliases_are_rebound_and_restored():
     import sat
     import sat.mpu
     import sat.mpu.data
-    patch = sat_patches.core.registry.REGISTRY.get("broadcast_data_device")
+    inner = sat_patches.core.registry.REGISTRY.get("broadcast_data_device")
+    patch = sat_patches.core.registry.REGISTRY.get("hang_watch_broadcast_data")   # the outermost on that target
     # sat/mpu/__init__.py did `from .data import broadcast_data`; sat/__init__ `from .arguments import get_args`
     assert sat.mpu.broadcast_data is sat.mpu.data.broadcast_data is patch.replacement
     assert sat.get_args is sat.arguments.get_args
     with patches_removed():
-        assert sat.mpu.broadcast_data is sat.mpu.data.broadcast_data is patch.original
+        assert sat.mpu.broadcast_data is sat.mpu.data.broadcast_data is inner.original
         assert getattr(sat.get_args, "__sat_patches__", None) is None
         assert not sat_patches.is_patched("broadcast_data_device")
         assert {r["status"] for r in sat_patches.status()} == {"restored"}
