@@ -1,32 +1,8 @@
 import ast
 import os
 import re
-import shutil
 
 from setuptools import find_packages, setup
-from setuptools.command.build_py import build_py
-
-PTH = "sat_patches.pth"  # runs _sat_patches_boot at start-up: `import sat` works without triton
-
-
-class BuildPyWithPth(build_py):
-    """Install sat_patches.pth beside the package in site-packages (as pytest-cov does).
-
-    An editable install (``pip install -e``) builds a wheel of path hooks only and does not ship
-    ``build_lib``; there the file goes straight into that wheel's root, which is site-packages too.
-    """
-
-    def run(self):
-        super().run()
-        into = self.build_lib
-        if getattr(self, "editable_mode", False):
-            into = self.get_finalized_command("install").install_lib
-        shutil.copy(PTH, os.path.join(into, PTH))
-
-    def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
-
-
 
 
 def version() -> str:
@@ -45,6 +21,11 @@ def hf_pins() -> list:
     return list(ast.literal_eval(value))
 
 
+# the CPU demos' generated data: the checkout smoke run draws CAPTCHA images (sat_patches.cogvlm.captcha_data)
+DEMO = ["captcha==0.7.1"]
+# `sat-patches report` draws the memory ledger as a PNG
+REPORT = ["matplotlib>=3.6"]
+
 setup(
     name="sat_patches",
     version=version(),
@@ -52,33 +33,36 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["sat_patches", "sat_patches.*"]),
-    py_modules=["_sat_patches_boot", "_sat_patches_deferred"],
-    cmdclass={"build_py": BuildPyWithPth},
     package_data={"sat_patches": ["configs/*.json"]},
     python_requires=">=3.9",
+    # what sat_patches imports, and what SAT imports without declaring it; each floor is the oldest release the
+    # fast tier ran with (.ci/run's second leg installs these floors: .ci/floors.py)
     install_requires=[
         # the SAT code the patches are verified on; each patch re-checks the code shape at import
         "SwissArmyTransformer>=0.4.12,<0.4.13",
         # a range, so that a user's own CUDA build is kept (tests install torch==2.13.0 first)
-        "torch>=2.1",
-        "deepspeed>=0.12",
-        "bitsandbytes",
-        "einops",
-        # imported by SAT 0.4.12 without being declared
-        "requests",
-        "wandb",
-        # the standalone CogVLM/CogAgent demo: real CAPTCHA images drawn locally (sat_patches.cogvlm)
-        "captcha==0.7.1",
-        "Pillow>=9",
+        "torch>=2.13",
+        "deepspeed>=0.19.0",
+        "bitsandbytes>=0.49.0",
+        "numpy>=1.26",
+        "sentencepiece>=0.1.99",
+        "transformers>=4.41.2",
+        # imported by sat_patches, and by SAT 0.4.12 without being declared (sat/data_utils/webds.py)
+        "Pillow>=9.3",
+        # imported by SAT 0.4.12 without being declared: sat/resources/download.py
+        "requests>=2.28",
+        # imported by SAT 0.4.12 without being declared: sat/training/deepspeed_training.py
+        "wandb>=0.17.0",
     ],
     extras_require={
-        # `sat-patches report` draws the memory ledger as a PNG
-        "report": ["matplotlib>=3.5"],
+        "demo": DEMO,
+        "report": REPORT,
         # the README's Hugging Face recipes (bf16 and 4-bit loads of an export, its PEFT adapter): the versions
         # they were run with (torch stays the user's own)
         "hf": hf_pins(),
-        # peft: the PEFT adapter export is loaded by peft itself in the tests (0.21.2 with transformers 5.24)
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "matplotlib>=3.5", "peft==0.21.2"],
+        # peft loads the PEFT adapter export in the tests; its floor is the hf extra's pin, so the two install
+        # together (.ci/run runs the suite with the newest peft and with this floor)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.0.2", "peft>=0.11.1"] + DEMO + REPORT,
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.cli.main:main"]},
 )

@@ -6,6 +6,7 @@ import runpy
 
 import pytest
 import setuptools
+from packaging.requirements import Requirement
 
 from sat_patches import hf_recipes
 
@@ -58,3 +59,17 @@ def test_release_numbers(version, numbers):
 
 def test_pinned():
     assert hf_recipes.pinned("accelerate") == "0.30.1" and hf_recipes.pinned("transformers") == "4.41.2"
+
+
+def test_every_pin_is_allowed_by_every_other_requirement_of_its_name(monkeypatch):
+    """Any extras install together (``pip install ".[hf,test]"``): a version pinned anywhere in setup.py is allowed
+    by every other requirement of that name."""
+    kwargs = setup_kwargs(monkeypatch)
+    groups = {"install_requires": kwargs["install_requires"], **kwargs["extras_require"]}
+    requirements = [(group, Requirement(line)) for group, lines in groups.items() for line in lines]
+    clashes = [f"{group} {pin} vs {other_group} {other}"
+               for group, pin in requirements for spec in pin.specifier if spec.operator == "=="
+               for other_group, other in requirements
+               if other.name.lower() == pin.name.lower() and not other.specifier.contains(spec.version)]
+    assert clashes == []
+    assert "peft" in [Requirement(line).name for line in groups["test"]]  # the tests load the PEFT export with peft

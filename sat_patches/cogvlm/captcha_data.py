@@ -1,7 +1,8 @@
 """Generate a CAPTCHA data set in the layout of CogVLM's fine-tuning demo: a folder of ``.jpg``
 images whose file stem is the label (CogVLM ``finetune_demo``, data in ``archive_split/train|valid``).
 
-Images are drawn by the PyPI ``captcha`` package (``ImageCaptcha``). That package takes its
+Images are drawn by the PyPI ``captcha`` package (``ImageCaptcha``), installed by the ``demo`` extra
+(``pip install "sat_patches[demo]"``). That package takes its
 randomness from :mod:`secrets`, so the generator swaps in a seeded source while it draws: the same
 ``seed`` gives the same labels and the same pixels.
 """
@@ -11,8 +12,6 @@ import contextlib
 import os
 import random
 from typing import Iterable, List
-
-import captcha.image as captcha_image
 
 from .tokenizer import DEFAULT_ALPHABET
 
@@ -33,8 +32,21 @@ class _SeededSecrets:
         return self._rng.choice(seq)
 
 
+DEMO_EXTRA = 'pip install "sat_patches[demo]"'
+
+
+def captcha_module():
+    """``captcha.image``, or an ImportError that names the extra installing it."""
+    try:
+        import captcha.image as captcha_image  # optional: only the CAPTCHA data set needs it (the demo extra)
+    except ImportError as exc:
+        raise ImportError(f"CAPTCHA images are drawn by the `captcha` package, which is not installed: "
+                          f"{DEMO_EXTRA}") from exc
+    return captcha_image
+
+
 @contextlib.contextmanager
-def _seeded_captcha(rng: random.Random):
+def _seeded_captcha(captcha_image, rng: random.Random):
     saved = getattr(captcha_image, "secrets", None)
     captcha_image.secrets = _SeededSecrets(rng)
     try:
@@ -48,6 +60,7 @@ def make_captcha_dataset(directory: str, n: int, seed: int = 0, alphabet: str = 
                          exclude: Iterable[str] = ()) -> List[str]:
     """Write ``n`` CAPTCHA images ``<label>.jpg`` (distinct labels of ``length`` characters from
     ``alphabet``, none of them in ``exclude``) into ``directory``; returns their paths, sorted."""
+    captcha_image = captcha_module()
     seen = set(exclude)
     if n > len(alphabet) ** length - len(seen):
         raise ValueError(f"cannot make {n} distinct labels of {length} characters from {len(alphabet)} symbols")
@@ -60,7 +73,7 @@ def make_captcha_dataset(directory: str, n: int, seed: int = 0, alphabet: str = 
             seen.add(label)
             labels.append(label)
     paths = []
-    with _seeded_captcha(random.Random(seed + 1)) as captcha_image:
+    with _seeded_captcha(captcha_image, random.Random(seed + 1)):
         generator = captcha_image.ImageCaptcha(width=width, height=height)
         for label in labels:
             path = os.path.join(directory, f"{label}.jpg")
