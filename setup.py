@@ -44,7 +44,7 @@ setup(
         "torch>=2.13",
         "deepspeed>=0.19.0",
         "bitsandbytes>=0.49.0",
-        "numpy>=1.26",
+        "numpy>=2.0",
         "sentencepiece>=0.1.99",
         "transformers>=4.41.2",
         # imported by sat_patches, and by SAT 0.4.12 without being declared (sat/data_utils/webds.py)
@@ -62,7 +62,7 @@ setup(
         "hf": hf_pins(),
         # peft loads the PEFT adapter export in the tests; its floor is the hf extra's pin, so the two install
         # together (.ci/run runs the suite with the newest peft and with this floor)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.0.2", "peft>=0.11.1"] + DEMO + REPORT,
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.8", "peft>=0.11.1"] + DEMO + REPORT,
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.cli.main:main"]},
 )
