@@ -52,7 +52,7 @@ setup(
         # imported by SAT 0.4.12 without being declared: sat/resources/download.py
         "requests>=2.28",
         # imported by SAT 0.4.12 without being declared: sat/training/deepspeed_training.py
-        "wandb>=0.17.0",
+        "wandb>=0.17.2",
     ],
     extras_require={
         "demo": DEMO,
