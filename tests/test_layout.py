@@ -141,7 +141,7 @@ def test_the_command_line_starts_without_torch_or_sat():
 # what users and our entry points import first: the entry points, the packages, what they import by name, and
 # library modules that import SAT and that the patch modules import (the patches wait until they are done)
 FIRST_IMPORTS = ["sat_patches.merge", "sat_patches.export.hf", "sat_patches.lora.layer", "sat_patches.cogvlm.saving",
-                 "sat_patches.testing.tiny_lora", "sat_patches.checkpoints.loading", "sat_patches.checkpoints.saving"]
+                 "sat_patches.checkpoints.loading", "sat_patches.checkpoints.saving"]
 
 
 @pytest.mark.slow  # a fresh interpreter per module
@@ -149,11 +149,11 @@ FIRST_IMPORTS = ["sat_patches.merge", "sat_patches.export.hf", "sat_patches.lora
 def test_a_module_imported_before_sat_leaves_every_patch_applied(module):
     """SAT's first import applies the patches at once, whoever imports it (asked through the registry's table,
     which applies nothing itself)."""
-    from zygote import run_before_sat
+    from multirank import run_fresh
     code = (f"import {module}, sat_patches\n"
             "bad = [r['name'] for r in sat_patches.REGISTRY.table() if r['status'] not in ('applied', 'waiting')]\n"
             "print('NOT APPLIED', bad, len(sat_patches.REGISTRY.table()))")
-    out = run_before_sat(code)
+    out = run_fresh(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NOT APPLIED [] " in out.stdout and "NOT APPLIED [] 0" not in out.stdout, out.stdout[-2000:]
 

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from sat_patches.data import jsonl
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 
 def images(folder, good, bad):

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from sat_patches.testing import run_script
+from multirank import run_script
 
 pytestmark = pytest.mark.multirank
-SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
+SCRIPT = ["-m", "tiny_lora"]
 
 
 def _losses(tmp_path, nranks=2):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.testing import patches_removed, run_ranks
+from multirank import run_ranks
+from patching import patches_removed
 
 TRAIN_ARGS = ["--mode", "finetune", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
               "--vocab-size", "1024", "--train-iters", "1", "--batch-size", "1"]
@@ -125,7 +126,7 @@ def test_model_parallel_rng_tracker_states_are_saved_and_restored(monkeypatch, t
     from sat import mpu
     from sat.training import model_io
     from sat_patches.checkpoints.state import restore_rng
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     tracker = CudaRNGStatesTracker()
     torch.manual_seed(7)
     tracker.states_ = {"model-parallel-rng": torch.get_rng_state()}

@@ -9,10 +9,10 @@ import torch
 import sat_patches
 from sat_patches.runtime import devices
 from sat_patches.runtime.distributed import process_group_backend, training_device
-from sat_patches.testing import run_ranks, run_script
-from sat_patches.testing.fake_backend import register_cuda_only_backend
+from multirank import run_ranks, run_script
+from fake_backend import register_cuda_only_backend
 
-SCRIPT = ["-m", "sat_patches.testing.tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
+SCRIPT = ["-m", "tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
 
 
 def test_backend_policy_gives_cpu_tensors_a_backend():
@@ -62,7 +62,7 @@ TINY_EXPERT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_si
 def save_mp1_checkpoint(ckpt_dir):
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
     cfg = el.config(**TINY_EXPERT)
@@ -78,8 +78,8 @@ def from_pretrained_mp2_on_cuda_only_group(ckpt_dir):
     import torch.distributed as dist
     from sat import mpu
     from sat.arguments import initialize_distributed
-    from sat_patches.testing import expert_llama as el
-    from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+    import expert_llama as el
+    from fake_backend import register_cuda_only_backend, simulate_cuda_barrier
     simulate_cuda_barrier()
     initialize_distributed(argparse.Namespace(
         distributed_backend=register_cuda_only_backend(), rank=int(os.environ["RANK"]),

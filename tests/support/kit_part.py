@@ -1,11 +1,11 @@
 """One part of the GPU kit run at tiny size as the kit's parent runs it (``benchmarks/gpu/proof.py --part X``), but in
-a rank forked from the test fork server (torch and SAT imported once) instead of a fresh interpreter. The parent's
+a rank that torchrun starts (as the kit's parent starts each part in an interpreter of its own). The parent's
 own work (a process per part, its time limit, the table, ``proof.json``) is the tiny run's check in
 ``tests/benchmarks/test_gpu_kit.py``."""
 import json
 import os
 
-from sat_patches.testing import run_script
+from multirank import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROOF = os.path.join(ROOT, "benchmarks", "gpu", "proof.py")
