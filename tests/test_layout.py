@@ -12,7 +12,7 @@ import sat_patches
 PACKAGE = os.path.dirname(os.path.abspath(sat_patches.__file__))
 # folders whose modules only define: they must not reach into the patch records or the command line
 LIBRARIES = ("core", "checkpoints", "runtime", "diagnostics", "lora", "planning", "cogvlm", "data", "export",
-             "kernels", "testing")
+             "kernels")
 MAX_LAZY_IMPORTS = 30
 
 
@@ -222,3 +222,23 @@ def test_the_package_folder_holds_only_modules_and_the_configs_it_ships():
             if not (name.endswith(".py") or (path.startswith("configs" + os.sep) and name.endswith(".json"))):
                 stray.append(path)
     assert stray == [], stray
+
+
+def test_the_package_holds_the_library_alone():
+    """The test kit (tests/support: the ranks' launcher, tiny models, a CUDA-only backend's stand-in) is the tests'
+    own: no module of the package is one of its modules or imports one."""
+    kit = {name[:-3] for name in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+           if name.endswith(".py")}
+    assert {"multirank", "_rank_main", "tiny_lora", "expert_llama"} <= kit
+    assert not any(m == "sat_patches.testing" or m.startswith("sat_patches.testing.") for m in MODULES)
+    reaching = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            reaching.update((module, n) for n in names if n.split(".")[0] in kit)
+    assert reaching == set(), reaching
