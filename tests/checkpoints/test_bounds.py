@@ -48,6 +48,7 @@ def assert_refused(child, *words):
         assert word in child.stdout, child.stdout
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_a_huge_shard_number_or_model_parallel_size_is_refused_before_any_range_is_built(tmp_path):
     checkpoint(tmp_path / "shard")
     torch.save({"module": {}}, tmp_path / "shard" / "1" / "mp_rank_999999999999_model_states.pt")

@@ -73,6 +73,7 @@ def load_in_a_rank(path: str) -> str:
     return f"LOADED {state!r}"  # reads the pointers
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 def test_object_dtype_file_is_refused_without_a_crash_through_safe_load(tmp_path):
     path = str(tmp_path / "crafted.pt")

@@ -190,8 +190,7 @@ def zero_check_imports_muon():
 def test_zero_imports_muons_kernels_to_be_compiled_on_their_first_call(patched):
     """Patched, Muon's kernel is a wrapper that compiles on its first call (sat_patches.runtime.compiler, whose
     first-call compile is tested with bitsandbytes' kernels in test_lora_bitsandbytes_import.py); the import's cost
-    without torch's compiler is measured in benchmarks/start_up.py. (Forked ranks have the compiler imported
-    already: their server imports SAT's LoRA and, through it, bitsandbytes as it is.)"""
+    without torch's compiler is measured in benchmarks/start_up.py."""
     [r] = run_ranks(zero_check_imports_muon, 1, timeout=120,
                     patches=True if patched else ["deepspeed_muon_compile_on_first_call"])
     assert r.ok, r.output[-3000:]

@@ -32,6 +32,7 @@ def test_get_args_trains_on_cpu_with_gloo_and_a_valid_deepspeed_config():
     ("process_group_backend", "NCCL"),
     ("deepspeed_config_lint", "min_loss_scale"),
 ])
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_get_args_fails_without_each_patch(disabled, message):
     [r] = run_ranks(get_args_on_rank, 1, timeout=120, patches=[disabled])
     assert not r.ok and message in (r.exception or r.output), (r.exception or r.output)[-3000:]
@@ -60,6 +61,7 @@ def broadcast_on_rank():
     return {k: v.tolist() for k, v in out.items()}
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_broadcast_data_on_cpu_ranks():
     results = run_ranks(broadcast_on_rank, 2, timeout=120)
     assert all(r.ok for r in results), results[0].output[-3000:]

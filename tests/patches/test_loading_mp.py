@@ -159,6 +159,7 @@ def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
     assert "rank 0 is at stage 'opening 1 shard(s) of" in message and "SAT_PATCHES_LOAD_TIMEOUT" in message, message
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
     """Without the patch (``Tensor.cuda`` stood in, as on a GPU box): rank 0 builds the full model and
     sends each partition; the caller's args and overwrite_args are changed."""

@@ -129,6 +129,7 @@ def _run(tmp_path, patches):
     return [r.result for r in results]
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_mp2_saves_one_directory_and_resumes(tmp_path):
     for rank, got in enumerate(_run(tmp_path, True)):
         assert got["train"][0] == "ok", got

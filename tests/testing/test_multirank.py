@@ -79,6 +79,7 @@ def test_a_rank_killed_by_sigkill_reports_minus_9_and_torchrun_ends_its_node():
     assert stopped.returncode == -signal.SIGTERM and not stopped.timed_out and "outlived" not in stopped.stdout
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_a_rank_on_another_node_outlives_a_killed_one():
     survivor, killed = run_ranks(kill_rank_1, 2, patches=False, nodes=2, timeout=120)
     assert killed.returncode == -signal.SIGKILL
