@@ -38,8 +38,9 @@ def _exit_code(exc: SystemExit) -> int:
 def _run(workdir: str, rank: str, argv) -> int:
     with open(os.path.join(workdir, "env.json")) as f:
         os.environ.update(json.load(f))  # the test's own values, also where torchrun set its own (LOCAL_WORLD_SIZE)
-    if os.environ.get("SATP_TEST_IMPORT", "1") == "1":
-        import sat_patches  # noqa: F401  (only where the test asks for it)
+    if os.environ.get("SATP_TEST_IMPORT", "1") == "1":  # only where the test asks for it
+        import sat_patches
+        sat_patches.apply()  # every patch on now (SAT imported), as in a process that imported sat_patches and SAT
     if argv[0] == "--script":
         script = argv[1:]
         if script[0] == "-m":
