@@ -27,7 +27,7 @@ def pytest_xdist_auto_num_workers(config):
     """Workers for ``-n auto`` (pytest.ini) on this project's 2-core machines. The whole suite: three; many
     multi-rank tests wait (on timeouts, heartbeats, rank start-up) and a third worker fills that time
     (measured: 6 min 8 s against 7 min 18 s with two). The fast tier (``-m "not slow"``): two; its tests mostly
-    compute, and a third worker's start-up (SAT imported, its own fork server) costs more than it gives back
+    compute, and a third worker's start-up (SAT imported) costs more than it gives back
     (measured: 2 min 1 s against 2 min 12 s with three)."""
     return 2 if "not slow" in (config.getoption("markexpr") or "") else 3
 

@@ -119,6 +119,22 @@ def _killpg(pid: int) -> None:
         pass
 
 
+def _end(agents, files) -> None:
+    """Kill what is left of a run: each torchrun still running (frozen first, so that it starts and ends no rank
+    meanwhile) with its ranks, and any rank that wrote no status."""
+    for agent in agents:
+        if agent.poll() is None:
+            os.kill(agent.pid, signal.SIGSTOP)
+            for pid in _children(agent.pid):
+                _killpg(pid)
+            _killpg(agent.pid)
+            agent.wait()
+    for f in files.values():
+        pid = _read(f["pid"])
+        if pid and not os.path.exists(f["status"]):
+            _killpg(int(pid))
+
+
 def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], timeout: float, patches,
             env: Optional[dict], cwd: Optional[str]) -> List[RankResult]:
     files = {rank: {kind: os.path.join(workdir, f"rank{rank}.{kind}") for kind in ("out", "err", "status", "pid")}
@@ -134,26 +150,16 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
                                            env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     deadline, ended_at = time.monotonic() + timeout, None
-    while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
-        if ended_at is None and all(os.path.exists(f["status"]) for f in files.values()):
-            ended_at = time.monotonic()
-        if ended_at is not None and time.monotonic() - ended_at > EXIT_GRACE:
-            break
-        time.sleep(0.05)
-    timed_out = {rank: False for rank in files}
-    for agent in agents:
-        if agent.poll() is None:  # freeze it (it starts no rank, ends none), then end its ranks and itself
-            os.kill(agent.pid, signal.SIGSTOP)
-            for pid in _children(agent.pid):
-                _killpg(pid)
-            _killpg(agent.pid)
-            agent.wait()
-    for rank, f in files.items():
-        if not os.path.exists(f["status"]):  # still running at the deadline, or left behind by its torchrun
-            timed_out[rank] = time.monotonic() >= deadline
-            pid = _read(f["pid"])
-            if pid:
-                _killpg(int(pid))
+    try:
+        while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+            if ended_at is None and all(os.path.exists(f["status"]) for f in files.values()):
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > EXIT_GRACE:
+                break
+            time.sleep(0.05)
+    finally:  # also when the wait is interrupted (the test's own time limit): nothing of the run is left behind
+        _end(agents, files)
+    timed_out = {rank: not os.path.exists(f["status"]) and time.monotonic() >= deadline for rank, f in files.items()}
     results = []
     for rank, f in files.items():
         status = _read(f["status"])
