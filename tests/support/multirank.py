@@ -6,11 +6,11 @@ rank has the environment torchrun gives its workers and ``OMP_NUM_THREADS=1``. `
 imports first: ``True`` (every patch), ``"stock"`` (stock SAT plus only the CPU stand-ins a GPU user does not
 need: see :data:`CPU_STANDINS`), ``False`` (nothing), or an iterable of patch names to disable.
 
-Each rank writes its own output, result and exit status into the run's folder (:mod:`_rank_main`); what it
-could not write is read as follows: a rank still running at the timeout is killed with its process group
-(``timed_out``, ``returncode`` ``-SIGKILL``); a rank that left no status ended without running any of its own code
-at exit (``returncode`` None). torchrun ends the other ranks of its node with SIGTERM when one fails
-(``returncode`` ``-SIGTERM``): a test whose survivors must outlive a failed rank puts the ranks on separate nodes.
+Each rank's output, result and exit status (a signal's too) land in the run's folder (:mod:`_rank_main`). A rank
+still running at the timeout is killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one
+that never started has ``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other
+ranks of its node with SIGTERM when one fails (``returncode`` ``-SIGTERM``): a test whose survivors must outlive a
+failed rank puts the ranks on separate nodes (``nodes=nranks``), as on a multi-node job.
 """
 from __future__ import annotations
 
