@@ -8,7 +8,7 @@
 Two variants of one model, same weights and batch (copied afresh for every step, as a new batch arrives), in turns (either first), activation checkpointing on:
 
 * ``stock``: CogVLM's own routing (``utils/models/mixin.py``: boolean masks ``x[mask]``, ``out[mask] = ...`` in
-  every layer, :func:`sat_patches.testing.fast_paths.boolean_mask_routing`) and SAT's own ``attention_fn_default``
+  every layer, :func:`tests/support/fast_paths.boolean_mask_routing`) and SAT's own ``attention_fn_default``
   (the mask compared whole in every layer): the code a CogVLM fork runs without sat_patches' speed patches;
 * ``sat_patches``: the routing read once per step (:mod:`sat_patches.cogvlm.routing`) and the attention mask's
   kind read once (``attention_mask_read_once``).
@@ -29,12 +29,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))  # tests/support: the test kit (run_ranks, tiny models)
 
 import sat_patches  # noqa: E402  (first: makes ``import sat`` work without triton)
 import torch  # noqa: E402
 
-from sat_patches.testing import patches_removed  # noqa: E402
-from sat_patches.testing.fast_paths import (boolean_mask_routing, build_cogvlm, cogvlm_batch, host_reads,  # noqa: E402
+from patching import patches_removed  # noqa: E402
+from fast_paths import (boolean_mask_routing, build_cogvlm, cogvlm_batch, host_reads,  # noqa: E402
                                             train_step)
 
 FULL = dict(hidden=512, ffn=1376, heads=8, layers=4, image_size=224, max_length=300, batch=2, rounds=5)

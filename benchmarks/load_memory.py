@@ -3,7 +3,7 @@
     python benchmarks/load_memory.py            # LLaMA-7B widths, 2 layers + 1 vision-expert layer, bf16
     python benchmarks/load_memory.py --small    # a few MB, to try it out
 
-Saves a CogVLM-architecture-like SAT checkpoint (``sat_patches.testing.expert_llama``: LLaMA with
+Saves a CogVLM-architecture-like SAT checkpoint (``tests/support/expert_llama.py``: LLaMA with
 vision-expert attention and MLP layers whose mixins default to CPU/fp32 as CogVLM's do; about
 1.7 GB in bf16 by default), then loads it with ``from_pretrained`` on 2 CPU ranks:
 
@@ -39,6 +39,7 @@ from _memory import proc_pss_bytes, proc_status_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))  # tests/support: the test kit (run_ranks, tiny models)
 
 FULL = dict(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=32000, inner_hidden_size=11008,
             num_vision_layers=1)
@@ -58,7 +59,7 @@ def save(path: str, cfg: dict) -> int:
     import torch
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
     args = el.build_args(el.config(**cfg), bf16=True, skip_init=True)
@@ -73,7 +74,7 @@ def measure(path: str, mp: int, stock: bool) -> dict:
     every weight and memory after it, checksum and its time."""
     import torch
     import torch.distributed as dist
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     if stock:
         torch.Tensor.cuda = lambda self, *a, **kw: self  # SAT's rank-0 split path calls .cuda() before send
     dist.init_process_group("gloo")
@@ -89,7 +90,7 @@ def measure(path: str, mp: int, stock: bool) -> dict:
     model, _ = cls.from_pretrained(path, args, overwrite_args=overwrite)
     elapsed = time.perf_counter() - start
     peak = proc_status_bytes("VmHWM")
-    from sat_patches.testing.mappings import first_read
+    from mappings import first_read
     start = time.perf_counter()
     first_read(model.parameters())
     touch = time.perf_counter() - start
@@ -130,11 +131,11 @@ def saved_checkpoint(opts, prefix: str, cfg: dict):
     """``with saved_checkpoint(opts, prefix, cfg) as (path, size):`` the bf16 checkpoint of ``cfg`` :func:`save` writes
     (in its own process) into a temporary directory under ``opts.dir``, removed afterwards; the
     block gets ``None`` (and the output is printed) when writing fails."""
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     with tempfile.TemporaryDirectory(prefix=prefix, dir=opts.dir) as tmp:
         path = os.path.join(tmp, "ckpt")
         [saved] = run_ranks("load_memory:save", 1, args=(path, cfg),
-                            timeout=opts.timeout, fresh=True)
+                            timeout=opts.timeout)
         if not saved.ok:
             print(saved.output[-4000:])
         yield (path, saved.result) if saved.ok else None
@@ -142,7 +143,7 @@ def saved_checkpoint(opts, prefix: str, cfg: dict):
 
 def main(argv=None) -> int:
     opts = options(__doc__, argv)
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
 
     cfg = SMALL if opts.small else FULL
     with saved_checkpoint(opts, "satp-load-", cfg) as saved:

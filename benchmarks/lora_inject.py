@@ -4,7 +4,7 @@
     python benchmarks/lora_inject.py --small      # a few MB, to try it out
 
 Each variant runs in a fresh process (stock: ``SAT_PATCHES_DISABLE`` = every patch but the CPU
-stand-ins, as ``sat_patches.testing.stock_disable``; patched: every patch). A process builds the
+stand-ins, as ``multirank.stock_disable`` (tests/support); patched: every patch). A process builds the
 base LLaMA model in bf16 (SAT ``LLaMAModel``, values written so every page is resident), warms the
 code path on a 1-layer model, then measures:
 
@@ -86,7 +86,7 @@ def child(cfg: dict, rank: int) -> dict:
 
 
 def run_variant(variant: str, cfg: dict, rank: int) -> dict:
-    from sat_patches.testing import stock_disable
+    from multirank import stock_disable
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), WANDB_MODE="disabled",
                SAT_PATCHES_DISABLE=",".join(stock_disable()) if variant == "stock" else "")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg), "--rank", str(rank)]
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     cfg = dict(SMALL if args.small else FULL)
     if args.layers:
         cfg["num_layers"] = args.layers
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [root, os.path.join(root, "tests", "support")]  # tests/support: the test kit (run_ranks, tiny models)
     stock = run_variant("stock", cfg, args.rank)
     patched = run_variant("patched", cfg, args.rank)
     print(report(cfg, args.rank, stock, patched))

@@ -20,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))  # tests/support: the test kit (run_ranks, tiny models)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration"))  # layer_bytes, live_bytes
 
 
@@ -31,7 +32,7 @@ def layer_table() -> bool:
     import tempfile
     import torch
     from sat_patches.cogvlm import prepare_tiny_run
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     from sat_patches.planning import memory
     with tempfile.TemporaryDirectory(prefix="satp-calibration-") as tmp:
         tiny = prepare_tiny_run(tmp, "cogvlm", n_train=1, n_valid=1)

@@ -26,6 +26,7 @@ from load_memory import options, saved_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))  # tests/support: the test kit (run_ranks, tiny models)
 
 FULL = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=32000, inner_hidden_size=5632,
             num_vision_layers=1)
@@ -41,7 +42,7 @@ def measure(path: str, stream: bool) -> dict:
     """(one rank) Upstream's QLoRA sequence on the checkpoint ``load_memory.save`` wrote; peak RSS above the idle baseline, and what became NF4."""
     import torch.distributed as dist
     from sat.model.finetune.lora2 import LoraMixin
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     cls = el.model_class()
     args = cls.get_args(bf16=True, mode="finetune", skip_init=True)
@@ -102,7 +103,7 @@ class AnonPeak:
 
 def main(argv=None) -> int:
     opts = options(__doc__, argv)
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
 
     cfg = SMALL if opts.small else FULL
     with saved_checkpoint(opts, "satp-qlora-", cfg) as saved:
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                                       ("sat_patches, float load then quantise", True, False),
                                       ("sat_patches, QLoRA run (NF4 as loaded)", True, True)):
             [r] = run_ranks("qlora_load:measure", 1, args=(path, stream), timeout=opts.timeout, patches=patches,
-                            fresh=True, env=ALLOCATOR)
+                            env=ALLOCATOR)
             if not r.ok:
                 print(f"{name:<46}  crashed:\n{(r.exception or r.output)[-3000:]}")
                 ok = False

@@ -6,8 +6,8 @@
 The diagnostics are what sat_patches adds to every step and collective without changing the result: the
 memory ledger (``ledger_*``), the hang watchdog around SAT's collective calls (``hang_watch_*``,
 ``collective_timeout``) and the rank heartbeat (``rank_heartbeat``). Both variants run SAT's own
-``training_main`` (``sat_patches.testing.tiny_lora``) on 2 CPU ranks over gloo, in the same two processes,
-in turns: a run with the diagnostics and one with them removed (``sat_patches.testing.patches_removed``),
+``training_main`` (``tests/support/tiny_lora.py``) on 2 CPU ranks over gloo, in the same two processes,
+in turns: a run with the diagnostics and one with them removed (``patching.patches_removed`` of tests/support),
 either first, and so on, so that both see the same machine. The step time is the wall time of SAT's ``train_step`` on the
 slower rank, median over a run's iterations after the first few; the overhead is the median over the
 rounds of (on / off) - 1. Target: the diagnostics cost at most 2% of a step.
@@ -27,6 +27,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))  # tests/support: the test kit (run_ranks, tiny models)
 
 DIAGNOSTICS = ["rank_heartbeat", "collective_timeout", "ledger_build", "ledger_lora", "ledger_start", "ledger_load",
                "ledger_from_pretrained", "ledger_split_rank0", "ledger_split_receive", "ledger_deepspeed_init",
@@ -43,7 +44,8 @@ def step_times(extra: list, rounds: int, summary_dir: str) -> list:
     goes first; per run, whether the diagnostics were on and the wall time of each ``train_step``."""
     import time
     import sat.training.deepspeed_training as dt
-    from sat_patches.testing import patches_removed, tiny_lora
+    from patching import patches_removed
+    import tiny_lora
     runs = []
 
     def timed(inner):
@@ -75,11 +77,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="pairs of runs (on, off)")
     parser.add_argument("--timeout", type=float, default=1800)
     opts = parser.parse_args(argv)
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="satp-steps-") as summary_dir:
         results = run_ranks("step_overhead:step_times", 2, args=(SMALL if opts.small else FULL, opts.rounds, summary_dir),
-                            timeout=opts.timeout, fresh=True)
+                            timeout=opts.timeout)
     for r in results:
         if not r.ok:
             print(f"rank {r.rank} failed:\n{(r.exception or r.output)[-3000:]}")

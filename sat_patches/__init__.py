@@ -11,8 +11,8 @@ Where things are: :mod:`sat_patches.patches` (the patch records, one module per 
 of those that share a target), the libraries they bind (:mod:`sat_patches.runtime`, :mod:`sat_patches.checkpoints`,
 :mod:`sat_patches.diagnostics`, :mod:`sat_patches.lora`, ...), :mod:`sat_patches.core` (the registry, the settings,
 the model kinds), :mod:`sat_patches.cogvlm` (CogVLM/CogAgent models, trainer, evaluation), :mod:`sat_patches.cli`
-(the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run),
-:mod:`sat_patches.testing` (several CPU ranks in tests). ``python -m sat_patches.launch`` runs a script with the
+(the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run).
+``python -m sat_patches.launch`` runs a script with the
 patches armed; ``python -m sat_patches.merge``, ``.evaluate``, ``.finetune`` are ``sat-patches`` verbs.
 """
 from __future__ import annotations

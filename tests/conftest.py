@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Hugging Face's import-time settings, one value for the whole session (the controller's, which pytest-xdist's workers
 # inherit): no hub is reached, and remote code that a test loads is cached in the session's own folder, not the
-# user's. Set once for every process, they do not keep a rank from forking (tests/support/zygote.py).
+# user's.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="satp-hf-modules-")
@@ -27,16 +27,12 @@ def pytest_xdist_auto_num_workers(config):
     """Workers for ``-n auto`` (pytest.ini) on this project's 2-core machines. The whole suite: three; many
     multi-rank tests wait (on timeouts, heartbeats, rank start-up) and a third worker fills that time
     (measured: 6 min 8 s against 7 min 18 s with two). The fast tier (``-m "not slow"``): two; its tests mostly
-    compute, and a third worker's start-up (SAT imported, its own fork server) costs more than it gives back
+    compute, and a third worker's start-up (SAT imported) costs more than it gives back
     (measured: 2 min 1 s against 2 min 12 s with three)."""
     return 2 if "not slow" in (config.getoption("markexpr") or "") else 3
 
 
 def pytest_configure(config):
-    # ranks fork from a server that imported torch and SAT once (about 1 s a rank instead of 7)
-    import zygote
-    from sat_patches.testing import multirank
-    multirank.set_rank_starter(zygote.start)
     # The test process runs with every patch applied, as a user's process that imported sat_patches and
     # SAT does (``import sat_patches`` alone defers them until SAT is imported). An xdist controller
     # runs no test: it skips the SAT import.
@@ -47,13 +43,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """``sys.path`` stays as collection left it while the tests run. A package's set-up (tests/export/) imports
-    its ``__init__`` again, and pytest puts the package's root (tests/) first on ``sys.path`` whenever it is
-    not first already; ranks get ``sys.path`` as their ``PYTHONPATH``, and a changed ``PYTHONPATH`` restarts
-    the fork server (its imports, about 10 s). With tests/ first from here on, that set-up finds it there."""
-    if HERE in sys.path:
-        sys.path.remove(HERE)
-    sys.path.insert(0, HERE)
     # What the imports and the collection made (torch, SAT, every test module: about half a million objects) stays
     # for the session: out of the cyclic collector's reach, whose full collections otherwise scan it all (0.2-0.3 s
     # each, a dozen per worker in the fast tier). What a test makes is collected as before.

@@ -12,7 +12,7 @@ import sat_patches
 PACKAGE = os.path.dirname(os.path.abspath(sat_patches.__file__))
 # folders whose modules only define: they must not reach into the patch records or the command line
 LIBRARIES = ("core", "checkpoints", "runtime", "diagnostics", "lora", "planning", "cogvlm", "data", "export",
-             "kernels", "testing")
+             "kernels")
 MAX_LAZY_IMPORTS = 30
 
 
@@ -141,7 +141,7 @@ def test_the_command_line_starts_without_torch_or_sat():
 # what users and our entry points import first: the entry points, the packages, what they import by name, and
 # library modules that import SAT and that the patch modules import (the patches wait until they are done)
 FIRST_IMPORTS = ["sat_patches.checkpoints.merge", "sat_patches.export.hf", "sat_patches.lora.layer", "sat_patches.cogvlm.saving",
-                 "sat_patches.testing.tiny_lora", "sat_patches.checkpoints.loading", "sat_patches.checkpoints.saving"]
+                 "sat_patches.checkpoints.loading", "sat_patches.checkpoints.saving"]
 
 
 @pytest.mark.slow  # a fresh interpreter per module
@@ -149,11 +149,11 @@ FIRST_IMPORTS = ["sat_patches.checkpoints.merge", "sat_patches.export.hf", "sat_
 def test_a_module_imported_before_sat_leaves_every_patch_applied(module):
     """SAT's first import applies the patches at once, whoever imports it (asked through the registry's table,
     which applies nothing itself)."""
-    from zygote import run_before_sat
+    from multirank import run_fresh
     code = (f"import {module}, sat_patches\n"
             "bad = [r['name'] for r in sat_patches.REGISTRY.table() if r['status'] not in ('applied', 'waiting')]\n"
             "print('NOT APPLIED', bad, len(sat_patches.REGISTRY.table()))")
-    out = run_before_sat(code)
+    out = run_fresh(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NOT APPLIED [] " in out.stdout and "NOT APPLIED [] 0" not in out.stdout, out.stdout[-2000:]
 
@@ -222,3 +222,23 @@ def test_the_package_folder_holds_only_modules_and_the_configs_it_ships():
             if not (name.endswith(".py") or (path.startswith("configs" + os.sep) and name.endswith(".json"))):
                 stray.append(path)
     assert stray == [], stray
+
+
+def test_the_package_holds_the_library_alone():
+    """The test kit (tests/support: the ranks' launcher, tiny models, a CUDA-only backend's stand-in) is the tests'
+    own: no module of the package is one of its modules or imports one."""
+    kit = {name[:-3] for name in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+           if name.endswith(".py")}
+    assert {"multirank", "_rank_main", "tiny_lora", "expert_llama"} <= kit
+    assert not any(m == "sat_patches.testing" or m.startswith("sat_patches.testing.") for m in MODULES)
+    reaching = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            reaching.update((module, n) for n in names if n.split(".")[0] in kit)
+    assert reaching == set(), reaching

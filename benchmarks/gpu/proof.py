@@ -85,7 +85,9 @@ def options(argv=None) -> argparse.Namespace:
 
 def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, peer_site=None,
              checkout=None) -> None:
-    sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration")]
+    # tests/support: the test kit's run_ranks (part s starts its two ranks with it)
+    sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration"),
+                    os.path.join(ROOT, "tests", "support")]
     from proof_record import Recorder, stand_in_unused
     if part in ("p", "h"):
         import proof_peer

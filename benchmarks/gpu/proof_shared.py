@@ -56,11 +56,11 @@ REDUCE_SCATTERED = {0: [1.0, 3.0], 1: [5.0, 7.0]}
 
 
 def run(rec: Recorder, tiny: bool) -> None:
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     with rec.check("2 ranks share one card (SAT_PATCHES_SHARED_GPU=1): the relay's collectives",
                    expected="cuda:0 on both, sums as NCCL's, CPU tensor refused on the CUDA-only group") as row:
         require_cuda()
-        results = run_ranks("proof_shared:on_a_rank", 2, timeout=120, fresh=True,
+        results = run_ranks("proof_shared:on_a_rank", 2, timeout=120,
                             env={"SAT_PATCHES_SHARED_GPU": "1", "CUDA_VISIBLE_DEVICES": "0"})
         failed = [r for r in results if not r.ok]
         assert not failed, failed[0].exception or failed[0].output[-2000:]

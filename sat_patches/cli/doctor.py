@@ -40,17 +40,12 @@ def format_checks(checks: List[Check], facts: Facts) -> str:
 
 
 def format_settings(rows: List[dict]) -> str:
-    """The declared ``SAT_PATCHES_*`` settings: name, value in force (or default), meaning; the test harness's
-    own settings named on one line while none of them is set."""
+    """The declared ``SAT_PATCHES_*`` settings: name, value in force (or default), meaning."""
     width = max(len(r["name"]) for r in rows)
     lines = ["settings (environment variables; value set, or the default in brackets):"]
-    harness = [r["name"] for r in rows if r["name"] in settings.TEST_HARNESS and not r["value"]]
     for r in rows:
-        if r["name"] not in harness:
-            value = r["value"] or f"[{r['default']}]"
-            lines.append(f"  {r['name']:<{width}}  {value:<10} {r['meaning']}")
-    if harness:
-        lines.append(f"  (the test harness's, at their defaults: {', '.join(harness)})")
+        value = r["value"] or f"[{r['default']}]"
+        lines.append(f"  {r['name']:<{width}}  {value:<10} {r['meaning']}")
     return "\n".join(lines)
 
 

@@ -128,14 +128,7 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
     Setting("SAT_PATCHES_LEDGER", "switch", True, "record the memory ledger"),
     Setting("SAT_PATCHES_LEDGER_DIR", "text", None, "where the ledger and console files go (default: the run's "
             "--save directory)"),
-    # the test harness (sat_patches.testing)
-    Setting("SAT_PATCHES_TEST_FRESH", "switch", False, "every test rank in a fresh process (no fork server)"),
-    Setting("SAT_PATCHES_IMPORT", "switch", True, "a test rank imports sat_patches before its code"),
-    Setting("SAT_PATCHES_CWD", "text", None, "the working directory of a test rank"),
 )}
-
-
-TEST_HARNESS = ("SAT_PATCHES_TEST_FRESH", "SAT_PATCHES_IMPORT", "SAT_PATCHES_CWD")
 
 
 def read(name: str, environ: Optional[Mapping[str, str]] = None):

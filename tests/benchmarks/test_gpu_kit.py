@@ -21,8 +21,7 @@ COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail
 
 @pytest.fixture
 def kit(monkeypatch):
-    """The kit's modules importable for one test. ``sys.path`` is put back afterwards: a path that stays grown
-    changes the ranks' ``PYTHONPATH``, and the fork server restarts for it."""
+    """The kit's modules importable for one test (``sys.path`` put back afterwards)."""
     monkeypatch.syspath_prepend(KIT)
 
 

@@ -19,8 +19,7 @@ KIT = os.path.join(ROOT, "benchmarks", "gpu")
 
 @pytest.fixture
 def kit(monkeypatch):
-    """The kit's modules importable for one test (``sys.path`` put back afterwards: a path that stays grown changes
-    the ranks' ``PYTHONPATH``, and the fork server restarts for it)."""
+    """The kit's modules importable for one test (``sys.path`` put back afterwards)."""
     monkeypatch.syspath_prepend(KIT)
     import proof_fork
     import proof_record

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 from sat_patches.runner import finetune_run
 
 

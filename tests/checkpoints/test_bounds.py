@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from sat_patches.testing import RankResult, run_ranks
+from multirank import RankResult, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -48,6 +48,7 @@ def assert_refused(child, *words):
         assert word in child.stdout, child.stdout
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_a_huge_shard_number_or_model_parallel_size_is_refused_before_any_range_is_built(tmp_path):
     checkpoint(tmp_path / "shard")
     torch.save({"module": {}}, tmp_path / "shard" / "1" / "mp_rank_999999999999_model_states.pt")
@@ -69,13 +70,13 @@ def test_a_huge_shard_number_or_model_parallel_size_is_refused_before_any_range_
 @pytest.mark.slow
 def test_a_config_implying_far_more_than_the_files_hold_is_refused_before_the_model_is_built(tmp_path):
     """Each size is within its limit; together they describe a model of tens of terabytes."""
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     cfg = el.config(num_layers=4, hidden_size=1 << 16, num_attention_heads=64, vocab_size=1 << 16,
                     inner_hidden_size=1 << 18)
     checkpoint(tmp_path / "ckpt", cfg)
     child = run_capped(f"""
         from sat_patches.checkpoints.model_config import read_model_config
-        from sat_patches.testing import expert_llama as el
+        import expert_llama as el
         try:
             el.model_class().from_pretrained({str(tmp_path / 'ckpt')!r}, el.build_args(read_model_config(
                 {str(tmp_path / 'ckpt')!r})))

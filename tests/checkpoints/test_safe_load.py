@@ -5,12 +5,28 @@ import pytest
 import torch
 
 from sat_patches.checkpoints import safe_load
-from sat_patches.testing import run_ranks
-from sat_patches.testing.payload import plant
+from multirank import run_ranks
+
+
+class Payload:
+    """Runs ``touch <marker>`` when unpickled in full: what a malicious file would do, made harmless."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(checkpoint_file: str, marker: str) -> None:
+    """Add a :class:`Payload` to a saved dict (a file this test wrote itself)."""
+    state = torch.load(checkpoint_file, weights_only=False)
+    state["payload"] = Payload(marker)
+    torch.save(state, checkpoint_file)
 
 
 def tiny_checkpoint(path, marker):
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     cfg = el.config(num_layers=1, hidden_size=32, inner_hidden_size=64)
     model = el.model_class()(el.build_args(cfg))
     el.write_checkpoint(model, cfg, str(path))
@@ -25,7 +41,7 @@ def _refused(exc_info, marker):
 
 
 def test_from_pretrained_at_mp1_refuses_and_trusting_runs_it(tmp_path, monkeypatch):
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     marker = str(tmp_path / "ran")
     cfg = tiny_checkpoint(tmp_path / "ckpt", marker)
     with pytest.raises(safe_load.UnsafeCheckpointError) as exc:
@@ -41,7 +57,7 @@ def test_merge_refuses_before_writing_anything(tmp_path):
     marker = str(tmp_path / "ran")
     tiny_checkpoint(tmp_path / "ckpt", marker)
     with pytest.raises(safe_load.UnsafeCheckpointError) as exc:
-        merge(str(tmp_path / "ckpt"), str(tmp_path / "merged"), imports=("sat_patches.testing.expert_llama",))
+        merge(str(tmp_path / "ckpt"), str(tmp_path / "merged"), imports=("expert_llama",))
     _refused(exc, marker)
     assert not (tmp_path / "merged").exists()
 
@@ -50,7 +66,7 @@ def _load_at_mp2(ckpt):
     import torch.distributed as dist
     from sat import mpu
     from sat_patches.checkpoints.model_config import read_model_config
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(2)
     try:
@@ -102,7 +118,7 @@ def test_a_zero3_checkpoints_payload_does_not_run_when_torch_loads_in_full(tmp_p
     """SAT loads ZeRO-3 checkpoints with its own ``torch.load`` (no ``weights_only``): in full on torch < 2.6,
     as ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` makes any torch behave."""
     from sat.training.model_io import load_checkpoint
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     monkeypatch.delenv(safe_load.TRUST_ENV, raising=False)
     marker = str(tmp_path / "ran")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sat_patches.checkpoints import safe_load
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 try:
     from numpy._core.multiarray import _reconstruct
@@ -41,7 +41,7 @@ class CraftedArray:
 
 
 def crafted_rng_file(path, array):
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     cfg = el.config(num_layers=1, hidden_size=32, inner_hidden_size=64)
     model = el.model_class()(el.build_args(cfg))
     el.write_checkpoint(model, cfg, str(path))
@@ -73,6 +73,7 @@ def load_in_a_rank(path: str) -> str:
     return f"LOADED {state!r}"  # reads the pointers
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 def test_object_dtype_file_is_refused_without_a_crash_through_safe_load(tmp_path):
     path = str(tmp_path / "crafted.pt")
@@ -92,7 +93,7 @@ def test_object_dtype_rng_state_is_refused_without_a_crash_when_restored(tmp_pat
         from sat.training.model_io import load_checkpoint
         from sat_patches.checkpoints import safe_load
         from sat_patches.checkpoints.model_config import read_model_config
-        from sat_patches.testing import expert_llama as el
+        import expert_llama as el
         args = el.build_args(read_model_config({str(tmp_path / 'ckpt')!r}))
         args.mode, args.no_load_rng = "pretrain", False
         model = el.model_class()(args)

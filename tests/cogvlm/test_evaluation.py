@@ -6,7 +6,7 @@ import os
 import pytest
 
 from sat_patches.cogvlm import evaluation, scores
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 
 def test_scores():

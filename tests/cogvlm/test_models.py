@@ -279,9 +279,9 @@ def test_a_model_built_on_meta_imports_no_compiler():
     """``merge``, ``export`` and ``verify`` build the model on meta. Meta arithmetic runs in torch's Python
     reference kernels, whose first call imports torch._dynamo (1.5-2 s of such a verb on a CPU machine): the
     vision-expert attention computes its rotary ``inv_freq`` on the CPU, as upstream does, and places it."""
-    from zygote import run_before_sat
+    from multirank import run_fresh
     from sat_patches.core.ports import free_port
-    out = run_before_sat(META_BUILD, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+    out = run_fresh(META_BUILD, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BUILT, torch._dynamo imported: False" in out.stdout, out.stdout[-2000:]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 from sat_patches.runner import finetune_run
 
 

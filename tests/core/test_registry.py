@@ -10,8 +10,8 @@ import pytest
 
 import sat_patches
 from sat_patches.core.registry import Patch, Registry, SatPatchesWarning, delegate, expect_names, expect_params
-from sat_patches.testing import patches_removed
-from zygote import run_before_sat
+from patching import patches_removed
+from multirank import run_fresh
 
 SOURCE_DIR = os.path.dirname(os.path.abspath(sat_patches.__file__))
 FORK_PATCHES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")  # waiting for a fork's mixin.py
@@ -25,7 +25,7 @@ STATUS_SNIPPET = "import json, sat_patches; print('STATUS' + json.dumps(sat_patc
 
 
 def _status_in_subprocess(code, env=None):
-    out = run_before_sat(code, env)
+    out = run_fresh(code, env)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("STATUS"))
     return {r["name"]: r for r in json.loads(line[len("STATUS"):])}, out
@@ -60,7 +60,7 @@ def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(fir
     code = (f"import sys, sat_patches\n{call}\nassert 'sat' in sys.modules\n"
             "names = sat_patches.names()\n"
             "print('ONCE', len(names) == len(set(names)), 'APPLIED', sat_patches.is_patched('lora_linear'))\n")
-    out = run_before_sat(code)
+    out = run_fresh(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ONCE True APPLIED True" in out.stdout
 
@@ -69,7 +69,7 @@ def test_asking_before_import_sat_registers_each_patch_once_and_applies_them(fir
 def test_unpatch_before_import_sat_leaves_sat_stock():
     code = ("import sat_patches\nsat_patches.unpatch()\nimport sat.arguments\n"
             "print('MARK', getattr(sat.arguments.get_args, '__sat_patches__', None))\n")
-    out = run_before_sat(code)
+    out = run_fresh(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "MARK None" in out.stdout
 

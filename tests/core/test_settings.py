@@ -52,8 +52,8 @@ def test_every_default_reads_back_through_its_own_parser():
 @pytest.mark.slow  # a fresh interpreter that imports SAT and applies the patches (over 10 s)
 def test_a_bad_chunk_size_is_refused_at_import_with_its_name():
     """The chunk sizes are read when their modules are imported: a bad one names itself there."""
-    from zygote import run_before_sat
-    out = run_before_sat("import sat_patches, sat", env={"SAT_PATCHES_LOAD_CHUNK_MB": "nan"})  # the patches load it
+    from multirank import run_fresh
+    out = run_fresh("import sat_patches, sat", env={"SAT_PATCHES_LOAD_CHUNK_MB": "nan"})  # the patches load it
     assert out.returncode != 0
     assert "SAT_PATCHES_LOAD_CHUNK_MB='nan': set it to a positive number of MiB" in out.stderr
 

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from sat_patches.data import jsonl
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 
 def images(folder, good, bad):
@@ -79,6 +79,7 @@ def checked_and_found(path):
     return jsonl.check_data_path(path), find_images(path)
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 def test_a_symlink_loop_in_a_data_folder_ends_the_check(tmp_path):
     path = images(tmp_path / "data", good=1, bad=0)

@@ -96,7 +96,7 @@ def forward_step(data_iterator, model, args, timers):
 
 
 def create_dataset(path, args):
-    from sat_patches.testing.tiny_lora import CountingDataset
+    from tiny_lora import CountingDataset
     return CountingDataset()
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

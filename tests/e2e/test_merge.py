@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 

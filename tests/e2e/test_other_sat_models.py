@@ -19,7 +19,7 @@ import other_sat_scripts as scripts
 import pytest
 import torch
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 slow = pytest.mark.slow  # SAT's ChatGLM2 trained on 2 CPU ranks (~35 s in all); the evaluation case is quick

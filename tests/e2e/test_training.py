@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from sat_patches.testing import run_script
+from multirank import run_script
 
 pytestmark = pytest.mark.multirank
-SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
+SCRIPT = ["-m", "tiny_lora"]
 
 
 def _losses(tmp_path, nranks=2):
@@ -32,6 +32,7 @@ def test_training_main_two_ranks_loss_falls(tmp_path, mp):
     assert re.search(r"^iteration 12/12 \| loss [0-9.]+ \|", results[0].output, re.M)
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_stock_sat_cannot_train_on_cpu_ranks(tmp_path):
     results = run_script([*SCRIPT, "--model-parallel-size", "2"], nranks=2, timeout=240, patches="stock")
     for r in results:

@@ -43,9 +43,11 @@ def _crash_in_save_hook():
 
 
 def _run(tmp_path, patches, env=()):
-    from sat_patches.testing import run_script
+    from multirank import run_script
     save = str(tmp_path / "ckpt")
-    results = run_script([HERE, *ARGS, "--save", save], nranks=2, timeout=150, patches=patches,
+    # a node per rank: torchrun would end the survivor of its own node with SIGTERM when rank 1 dies; on another
+    # node it runs on and must notice the loss itself, as on a real multi-node job
+    results = run_script([HERE, *ARGS, "--save", save], nranks=2, nodes=2, timeout=150, patches=patches,
                          env={"CRASH_RANK": "1", "CRASH_SAVE": "2", "SAT_PATCHES_COLLECTIVE_TIMEOUT": "20",
                               "SAT_PATCHES_HEARTBEAT_TIMEOUT": "5", **dict(env)})
     runs = glob.glob(os.path.join(save, "*", "latest"))
@@ -172,5 +174,5 @@ def test_every_staged_file_and_directory_is_fsynced_before_the_rename_that_publi
 
 if __name__ == "__main__":
     _crash_in_save_hook()
-    from sat_patches.testing.tiny_lora import main
+    from tiny_lora import main
     sys.exit(main(sys.argv[1:]))

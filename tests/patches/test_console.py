@@ -6,7 +6,7 @@ import os
 import pytest
 
 from sat_patches.diagnostics import console
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ leave CPU/fp32 parameters behind), then patched again.
 import pytest
 import torch
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -20,7 +20,7 @@ def _scenarios(device="meta"):
     import torch.nn as nn
     from sat.model.base_model import BaseMixin, get_model
     from sat.mpu import ColumnParallelLinear
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
 
     class CpuDefaultMixin(BaseMixin):  # CogVLM's mixins: device/params_dtype defaults
         def __init__(self, params_dtype=torch.float, device=torch.device("cpu")):
@@ -68,7 +68,7 @@ def construction_report(device="meta"):
     from sat import mpu
     import sat_patches
     from sat_patches.runtime import devices
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
 

@@ -150,7 +150,7 @@ def test_fused_adam_builds_with_an_architecture_specific_arch_list(monkeypatch):
     """Hopper images set ``TORCH_CUDA_ARCH_LIST=9.0a``; DeepSpeed's op builder reads it with ``int()`` before
     FusedAdam's JIT build. Patched, the op is built for 9.0 (the environment as DeepSpeed leaves it)."""
     import importlib
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     builder = importlib.import_module("deepspeed.ops.op_builder.fused_adam").FusedAdamBuilder()
     builder.jit_mode = True  # as jit_load sets it
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import sat_patches
-from sat_patches.testing import patches_removed, run_ranks
+from multirank import run_ranks
+from patching import patches_removed
 
 TRAIN_ARGS = ["--mode", "finetune", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
               "--vocab-size", "1024", "--train-iters", "1", "--batch-size", "1"]
@@ -31,6 +32,7 @@ def test_get_args_trains_on_cpu_with_gloo_and_a_valid_deepspeed_config():
     ("process_group_backend", "NCCL"),
     ("deepspeed_config_lint", "min_loss_scale"),
 ])
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_get_args_fails_without_each_patch(disabled, message):
     [r] = run_ranks(get_args_on_rank, 1, timeout=120, patches=[disabled])
     assert not r.ok and message in (r.exception or r.output), (r.exception or r.output)[-3000:]
@@ -59,6 +61,7 @@ def broadcast_on_rank():
     return {k: v.tolist() for k, v in out.items()}
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_broadcast_data_on_cpu_ranks():
     results = run_ranks(broadcast_on_rank, 2, timeout=120)
     assert all(r.ok for r in results), results[0].output[-3000:]
@@ -125,7 +128,7 @@ def test_model_parallel_rng_tracker_states_are_saved_and_restored(monkeypatch, t
     from sat import mpu
     from sat.training import model_io
     from sat_patches.checkpoints.state import restore_rng
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     tracker = CudaRNGStatesTracker()
     torch.manual_seed(7)
     tracker.states_ = {"model-parallel-rng": torch.get_rng_state()}

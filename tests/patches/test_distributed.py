@@ -9,10 +9,10 @@ import torch
 import sat_patches
 from sat_patches.runtime import devices
 from sat_patches.runtime.distributed import process_group_backend, training_device
-from sat_patches.testing import run_ranks, run_script
-from sat_patches.testing.fake_backend import register_cuda_only_backend
+from multirank import run_ranks, run_script
+from fake_backend import register_cuda_only_backend
 
-SCRIPT = ["-m", "sat_patches.testing.tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
+SCRIPT = ["-m", "tiny_lora", "--model-parallel-size", "2", "--cuda-only-backend", "fakenccl"]
 
 
 def test_backend_policy_gives_cpu_tensors_a_backend():
@@ -25,6 +25,7 @@ def test_backend_policy_gives_cpu_tensors_a_backend():
     assert process_group_backend("nccl") == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 def test_sat_parameter_sync_fails_on_a_cuda_only_group_and_names_the_tensor():
     results = run_script(SCRIPT, nranks=2, timeout=240, patches=["process_group_backend"])
@@ -62,7 +63,7 @@ TINY_EXPERT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_si
 def save_mp1_checkpoint(ckpt_dir):
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
     cfg = el.config(**TINY_EXPERT)
@@ -78,8 +79,8 @@ def from_pretrained_mp2_on_cuda_only_group(ckpt_dir):
     import torch.distributed as dist
     from sat import mpu
     from sat.arguments import initialize_distributed
-    from sat_patches.testing import expert_llama as el
-    from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+    import expert_llama as el
+    from fake_backend import register_cuda_only_backend, simulate_cuda_barrier
     simulate_cuda_barrier()
     initialize_distributed(argparse.Namespace(
         distributed_backend=register_cuda_only_backend(), rank=int(os.environ["RANK"]),
@@ -133,8 +134,9 @@ def start_with_cuda_on(cuda_ranks):
     return f"started on {devices.compute_device().type}"
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
-@pytest.mark.parametrize("cuda_ranks", [(0,), pytest.param((), marks=pytest.mark.slow)],
+@pytest.mark.parametrize("cuda_ranks", [(0,), ()],
                          ids=["one-rank-without-cuda", "no-rank-has-cuda"])
 def test_ranks_that_disagree_on_cuda_stop_at_start_up_on_every_rank(cuda_ranks):
     results = run_ranks(start_with_cuda_on, 2, args=(cuda_ranks,), timeout=120, env={"LOCAL_RANK": "0"})
@@ -173,6 +175,7 @@ def group_left_after_exit_handlers():
     return dist.is_initialized()
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 @pytest.mark.parametrize("patched", [True, False])
 def test_the_process_group_is_destroyed_before_interpreter_teardown(patched):

@@ -20,7 +20,7 @@ ARGS = ["--train-iters", "40", "--lora-rank", "2"]
 
 
 def _kill_in_step_hook():
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     rank, step = os.environ.get("KILL_RANK"), int(os.environ.get("KILL_STEP", "0"))
     if rank is None or os.environ["RANK"] != rank:
         return
@@ -36,7 +36,7 @@ def _kill_in_step_hook():
 
 
 def _run(patches):
-    from sat_patches.testing import run_script
+    from multirank import run_script
     start = time.monotonic()
     results = run_script([HERE, *ARGS], nranks=3, timeout=120, patches=patches,
                          env={"KILL_RANK": "1", "KILL_STEP": "3", "SAT_PATCHES_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
@@ -75,7 +75,7 @@ def test_heartbeat_names_silent_peer_and_ignores_finished_one():
     import datetime
     import torch.distributed as dist
     from sat_patches.diagnostics.heartbeat import Heartbeat
-    from sat_patches.testing import free_port
+    from sat_patches.core.ports import free_port
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=5))
     me, finished, silent, _never_started = (Heartbeat(store, r, 4, timeout=0.5) for r in range(4))
     silent.beat(), finished.beat(), me.beat()
@@ -103,5 +103,5 @@ def test_only_a_lost_connection_waits_to_name_a_dead_peer():
 
 if __name__ == "__main__":
     _kill_in_step_hook()
-    from sat_patches.testing.tiny_lora import main
+    from tiny_lora import main
     sys.exit(main(sys.argv[1:]))

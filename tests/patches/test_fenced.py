@@ -16,7 +16,7 @@ HERE = os.path.abspath(__file__)
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_a_loss_curve_drawer_that_raises_does_not_stop_a_two_rank_run(tmp_path):
-    from sat_patches.testing import run_script
+    from multirank import run_script
     results = run_script([HERE, "--train-iters", "4", "--log-interval", "1", "--save", str(tmp_path / "run")],
                          nranks=2, timeout=240, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path / "run")})
     for r in results:
@@ -43,5 +43,5 @@ def test_a_failing_diagnostic_is_reported_once_and_turned_off(capsys):
 if __name__ == "__main__":
     import types
     sys.modules["matplotlib"] = types.ModuleType("matplotlib")  # imports, but has no use()
-    from sat_patches.testing.tiny_lora import main
+    from tiny_lora import main
     sys.exit(main(sys.argv[1:]))

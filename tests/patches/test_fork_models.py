@@ -15,11 +15,11 @@ import torch
 from sat.model.base_model import get_model
 
 from fake_checkout import write_fake_checkout
-from sat_patches.testing.fast_paths import build_cogvlm as build, cogvlm_batch as batch_for, host_reads
-from sat_patches.testing.fast_paths import train_step as step
+from fast_paths import build_cogvlm as build, cogvlm_batch as batch_for, host_reads
+from fast_paths import train_step as step
 from sat_patches.cogvlm import FineTuneTrainCogVLMModel, tiny_args
 from sat_patches.core.registry import REGISTRY, SatPatchesWarning
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 NAMES = ("fork_expert_routing_mlp", "fork_expert_routing_attention")
 

@@ -14,7 +14,8 @@ import torch
 
 from sat_patches.diagnostics import watchdog as hangs
 from sat_patches.patches import hangs as hangs_patches
-from sat_patches.testing import patches_removed, run_ranks
+from multirank import run_ranks
+from patching import patches_removed
 
 TIMEOUT = 4
 ARGS = ["--mode", "finetune", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -124,7 +125,7 @@ def pg_timeout_and_watchdog():
     import sat
     import sat.arguments
     from sat import mpu
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
 
     def seen():
         groups = [torch.distributed.distributed_c10d._get_default_group(), mpu.get_data_parallel_group()]

@@ -9,9 +9,9 @@ from sat_patches.diagnostics import ledger
 from sat_patches.patches import ledger as ledger_patches
 from sat_patches.diagnostics import ledger_files
 from sat_patches.planning import memory, shapes
-from sat_patches.testing import run_ranks, run_script
+from multirank import run_ranks, run_script
 
-SCRIPT = ["-m", "sat_patches.testing.tiny_lora"]
+SCRIPT = ["-m", "tiny_lora"]
 MID = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--vocab-size", "32000",
        "--train-iters", "2", "--log-interval", "1"]
 PHASES = ["start", "lora", "build", "deepspeed_init", "first_step"]
@@ -22,9 +22,7 @@ def tiny_run(tmp_path_factory):
     # (--save would do, but SwissArmyTransformer 0.4.12's final save_checkpoint fails on CPU ranks: torch's
     # AdamW has no .optimizer)
     run_dir = str(tmp_path_factory.mktemp("run"))
-    # fresh processes: a rank forked from the test fork server has not faulted in the shared
-    # libraries' pages yet, so its host RSS reads ~100 MiB lower than a real rank's (396 vs 504 MiB at "start" here)
-    results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir}, fresh=True)
+    results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir})
     for r in results:
         assert r.ok, r.output[-4000:]
     return run_dir, results
@@ -110,9 +108,7 @@ def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
 
 @pytest.mark.slow
 def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tiny_run, tmp_path):
-    # fresh process: RSS of a forked rank is not what a real rank measures (see tiny_run)
-    [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)},
-                     fresh=True)
+    [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)})
     assert r.ok, r.output[-4000:]
     config = _lora_llama(4, 1024, 16, 32000)
     assert shapes.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8
@@ -162,8 +158,9 @@ def exercise_ledger_patches():
     from sat.training import deepspeed_training as dt
     from sat.training import model_io
     from sat.training.utils import Timers
-    from sat_patches.testing import patches_removed, tiny_lora
-    from sat_patches.testing.expert_llama import write_checkpoint
+    from patching import patches_removed
+    import tiny_lora
+    from expert_llama import write_checkpoint
 
     cls = tiny_lora.model_class()
     args = sat.get_args(tiny_lora.DEFAULT_ARGS, cls.add_model_specific_args(argparse.ArgumentParser()))

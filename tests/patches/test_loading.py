@@ -13,7 +13,7 @@ from sat_patches.checkpoints import loading
 from sat_patches.checkpoints.loading import Checkpoint, CheckpointError, ShardedSource
 from sat_patches.checkpoints.sharding import Split, release_pages
 from sat_patches.checkpoints.state import load_state, meta_tensors
-from sat_patches.testing.mappings import first_read, in_file, smaps_bytes
+from mappings import first_read, in_file, smaps_bytes
 
 
 def _write(path, state, iteration=1, shards=1, config=None):
@@ -246,7 +246,7 @@ def test_shared_experiment_start_is_a_patch_that_unpatch_restores():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny CogVLM-like SAT checkpoint (fp32, as the model it loads into): (directory, config, shard file)."""
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     path = str(tmp_path_factory.mktemp("zero_copy") / "ckpt")
     cfg = el.config()
     model = el.model_class()(el.build_args(cfg))
@@ -256,7 +256,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def _from_pretrained(path, cfg):
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     model, _ = el.model_class().from_pretrained(path, el.build_args(cfg))
     return model
 
@@ -391,7 +391,7 @@ def test_a_base_loaded_before_the_run_it_continues_says_nothing_of_random_states
     checkpoint, no random states, which the run's own checkpoint restores right after. Only a missing state in the
     checkpoint being continued is said (its advice, ``--no-load-rng``, would also skip the run's states)."""
     import warnings
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     path, cfg, _ = tiny_checkpoint
     args = el.build_args(cfg)
     args.mode, args.no_load_rng = "pretrain", False

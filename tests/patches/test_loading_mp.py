@@ -11,7 +11,7 @@ The stock run shows SAT's own path: rank 0 builds the full model and ships parti
 """
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -25,7 +25,7 @@ def _reference(ckpt_dir, lora=False):
     import torch
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
     cfg = el.config(**CFG, lora_rank=4 if lora else 0)
@@ -89,7 +89,7 @@ def load_mp2(ckpt_dir, cuda_standin=False, lora=False, stall_timeout=None):
     import torch
     import torch.distributed as dist
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     if cuda_standin:
         torch.Tensor.cuda = lambda self, *a, **kw: self
 
@@ -159,6 +159,7 @@ def test_mp1_checkpoint_loads_at_mp2_rank_locally(tmp_path):
     assert "rank 0 is at stage 'opening 1 shard(s) of" in message and "SAT_PATCHES_LOAD_TIMEOUT" in message, message
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_stock_from_pretrained_ships_weights_and_mutates_args(tmp_path):
     """Without the patch (``Tensor.cuda`` stood in, as on a GPU box): rank 0 builds the full model and
     sends each partition; the caller's args and overwrite_args are changed."""
@@ -178,7 +179,7 @@ def stalled_load(ckpt_dir, cfg, timeout):
     import time
     import torch
     from sat import mpu
-    from sat_patches.testing import expert_llama as el
+    import expert_llama as el
     os.environ["SAT_PATCHES_LOAD_TIMEOUT"] = str(timeout)
     if mpu.get_model_parallel_rank() == 0:
         real_load = torch.load

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -53,7 +53,7 @@ def train_save_resume(root):
     import torch.distributed as dist
     from sat import mpu
     from sat.mpu.initialize import get_node_src_rank, get_node_world_size
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     global TRAIN
     TRAIN = TRAIN + ["--summary-dir", root + "-summary"]  # SAT's summary writer: not in the work tree
     out = {}
@@ -105,7 +105,7 @@ def train_save_resume(root):
 
 def _logits(model):
     import torch
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     ids = (torch.arange(2 * 8).reshape(2, 8) * 7) % tiny_lora.VOCAB
     pos = torch.arange(8)[None].expand_as(ids)
     model.eval()
@@ -115,7 +115,7 @@ def _logits(model):
 
 def _from_pretrained_mp2(run):
     """What CogVLM's finetune demo does with --model_parallel_size 2 (THUDM/CogVLM#233)."""
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     cls = tiny_lora.model_class()
     args = cls.get_args(mode="inference")  # model-only namespace; the arch comes from model_config.json
     return cls.from_pretrained(run, args, overwrite_args={"model_parallel_size": 2})[0]
@@ -129,6 +129,7 @@ def _run(tmp_path, patches):
     return [r.result for r in results]
 
 
+@pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_mp2_saves_one_directory_and_resumes(tmp_path):
     for rank, got in enumerate(_run(tmp_path, True)):
         assert got["train"][0] == "ok", got

@@ -1,17 +1,16 @@
-"""Two nodes of two ranks on this machine: four ranks in the environment two ``torchrun --nnodes 2
---nproc-per-node 2`` agents give their workers (``GROUP_RANK`` 0 and 1, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-per node; ``run_ranks(..., nodes=2)``) load an MP=1 checkpoint at MP=2 (so MP=2 x DP=2).
+"""Two nodes of two ranks on this machine: four ranks started by two ``torchrun --nnodes 2 --nproc-per-node 2``
+agents (``GROUP_RANK`` 0 and 1, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` per node; ``run_ranks(..., nodes=2)``) load
+an MP=1 checkpoint at MP=2 (so MP=2 x DP=2).
 
 Every rank checks SAT's node groups (its node's two ranks, source rank 0 or 2) and that it loaded its
 own partition exactly, per node, without any tensor sent between ranks (``load_mp2`` of
-``test_loading_mp``). The ranks are forked, not started by two real agents: what the loading code reads of the
-launcher is these variables, and torchrun's own rendezvous is not this project's code.
+``test_loading_mp``).
 """
 import os
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -41,14 +40,3 @@ def test_two_nodes_load_mp2_per_node(tmp_path):
         assert got["mp"] == 2 and got["mismatched"] == [] and got["param_diff"] == 0.0, got
         assert got["logit_diff"] < 1e-5 and got["sent"] == [] and got["args_changed"] == [], got
 
-
-def test_the_node_variables_are_torchruns_for_two_nodes_of_two():
-    from sat_patches.testing import multirank
-    envs = [multirank._rank_env(rank, 4, 1234, True, None, nodes=2) for rank in range(4)]
-    picked = [{k: e[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                                 "ROLE_RANK", "WORLD_SIZE")} for e in envs]
-    assert picked == [{"RANK": str(r), "LOCAL_RANK": str(r % 2), "GROUP_RANK": str(r // 2), "LOCAL_WORLD_SIZE": "2",
-                       "GROUP_WORLD_SIZE": "2", "ROLE_RANK": str(r), "WORLD_SIZE": "4"} for r in range(4)]
-    assert "GROUP_RANK" not in multirank._rank_env(0, 2, 1234, True, None)  # one node: as before
-    with pytest.raises(ValueError, match="3 ranks do not split evenly over 2 node"):
-        multirank._rank_env(0, 3, 1234, True, None, nodes=2)

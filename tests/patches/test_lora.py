@@ -10,7 +10,7 @@ import sat_patches
 from sat_patches.runtime import devices
 import lora_state
 from sat_patches.lora import layer as lora_layer, qlora
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 LORA_PATCHES = ("lora_linear", "lora_replace", "lora_merge", "lora_reinit")
 VOCAB, SEQ = 1024, 8

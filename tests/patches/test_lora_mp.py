@@ -7,7 +7,7 @@ after ``merge_lora``. One 2-rank run covers every case: all patches, then each L
 """
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 from test_lora import VOCAB, batch, build, logits, randomize_b
 
 pytestmark = pytest.mark.multirank
@@ -127,7 +127,7 @@ def mp_equivalence():
     """Rank function: every case of :data:`CASES`."""
     import contextlib
     import torch.distributed as dist
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     dist.init_process_group("gloo")
     results = {}
     for case, removed in CASES.items():

@@ -11,7 +11,7 @@ import traceback
 import pytest
 
 from sat_patches.runtime import preprocess
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 PATCH = "preprocess_rank0_first"
 ERROR = "image folder /data/captcha has 3 unreadable files"
@@ -27,7 +27,7 @@ def load_data(scenarios, heartbeat=None):
     import sat
     import torch.distributed as dist
     from sat_patches.diagnostics import heartbeat as faults
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
 
     args = sat.get_args(list(tiny_lora.DEFAULT_ARGS))
     hb = faults.start_heartbeat(heartbeat) if heartbeat else None
@@ -41,7 +41,7 @@ def load_data(scenarios, heartbeat=None):
 
 def _load_once(args, rank, rank0_seconds=0.0, rank0_error=None, release=None):
     from sat.training import deepspeed_training
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     spans = []
 
     def create_dataset(path, args):
@@ -155,7 +155,7 @@ def test_patch_applied_on_the_name_training_main_calls():
     import sat_patches
     from sat_patches.diagnostics import watchdog as hangs
     from sat_patches.core.registry import REGISTRY
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
 
     [row] = [r for r in sat_patches.status() if r["name"] == PATCH]
     assert row["status"] == "applied" and row["target"] == "sat.data_utils.configure_data:make_loaders"

@@ -6,7 +6,7 @@ import pytest
 
 from sat_patches.diagnostics.charts import CURVE_CSV, CURVE_PNG
 from sat_patches.diagnostics.progress import progress_line
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 
 def _report(tmp_path, step):
@@ -86,7 +86,7 @@ STEPS = [(3, (4.25, 4.25)), (4, (4.25, 3.5))]  # equal, then different
 def test_the_model_parallel_ranks_losses_are_compared_and_a_difference_is_said(tmp_path):
     """The ranks of a model-parallel group compute one loss; a difference (different batches or weights within the
     group) is warned about by the group's first rank, with each rank's loss, and kept in the curve."""
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     results = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path), STEPS), timeout=120)
     assert all(r.ok for r in results), results[0].output[-3000:]
     assert (tmp_path / CURVE_CSV).read_text().splitlines()[1:] == ["3,4.25,0.0001,0.9,0.0", "4,4.25,0.0001,0.9,0.75"]
@@ -98,7 +98,7 @@ def test_the_model_parallel_ranks_losses_are_compared_and_a_difference_is_said(t
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_stock_sat_compares_no_losses(tmp_path):
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     stock = run_ranks(report_on_a_model_parallel_rank, 2, args=(str(tmp_path), STEPS), timeout=120,
                       patches=["progress_line"])
     assert [r.result for r in stock] == [[[], []]] * 2 and not (tmp_path / CURVE_CSV).exists()
@@ -125,8 +125,8 @@ for name, text in noise.QUIETED.items():
 @pytest.mark.parametrize("disable", ["", "quiet_third_party"])
 def test_third_party_import_noise_is_quiet_unless_disabled(disable):
     from sat_patches.core import noise
-    from zygote import run_before_sat
-    out = run_before_sat(NOISE_CODE, env={"SAT_PATCHES_DISABLE": disable})
+    from multirank import run_fresh
+    out = run_fresh(NOISE_CODE, env={"SAT_PATCHES_DISABLE": disable})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert sorted(noise.QUIETED) == ["DeepSpeed", "bitsandbytes.backends.cpu.ops"]
@@ -139,7 +139,7 @@ def test_pin_memory_warning_of_cpu_ranks_is_quiet_unless_disabled():
     import warnings
     import torch
     from sat_patches.core import noise
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2, pin_memory=True)
     for removed in (False, True):
         with warnings.catch_warnings(record=True) as seen:

@@ -12,8 +12,8 @@ import torch
 import lora_state
 from sat_patches.lora import layer as lora_layer
 from sat_patches.lora import qlora as qlora_lib
-from sat_patches.testing import expert_llama as el
-from sat_patches.testing.mappings import in_file
+import expert_llama as el
+from mappings import in_file
 
 CFG = dict(num_layers=6, hidden_size=128, num_attention_heads=4, inner_hidden_size=256, num_vision_layers=0)
 

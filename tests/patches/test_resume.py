@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -24,9 +24,28 @@ BASE = ["--model-parallel-size", "2", "--mode", "pretrain", "--train-iters", "8"
         "--eval-interval", "100000"]
 
 
+class Payload:
+    """Runs ``touch <marker>`` when unpickled in full: what a malicious file would do, made harmless."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(checkpoint_file: str, marker: str) -> None:
+    """Add a :class:`Payload` to a saved dict (a file this rank wrote itself)."""
+    import torch
+    state = torch.load(checkpoint_file, weights_only=False)
+    state["payload"] = Payload(marker)
+    torch.save(state, checkpoint_file)
+
+
 def train_stop_resume(root):
     import glob
-    from sat_patches.testing import patches_removed, tiny_lora
+    from patching import patches_removed
+    import tiny_lora
 
     def losses(tag, extra, removed=()):
         tiny_lora._LOSSES.clear()
@@ -97,7 +116,6 @@ def train_stop_resume(root):
 
     # an optimizer shard carrying a pickle payload: resume refuses it before anything of it runs
     from sat_patches.checkpoints import safe_load
-    from sat_patches.testing.payload import plant
     planted = stopped("stop-payload", bf16)
     rank = int(os.environ["RANK"])
     shard = os.path.join(planted, "4", f"bf16_zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt")
@@ -115,7 +133,7 @@ def train_stop_resume(root):
 def train_stop_resume_data_parallel(root, mp):
     """MP=``mp`` on 2 x ``mp`` ranks: 2 data-parallel groups, each rank with its own ZeRO-2 optimizer shard and each
     group with its own share of every batch (SAT's DistributedBatchSampler)."""
-    from sat_patches.testing import tiny_lora
+    import tiny_lora
     args = [a if a != "2" or i != 1 else str(mp) for i, a in enumerate(BASE)] + ["--zero-stage", "2", "--bf16"]
     assert args[:2] == ["--model-parallel-size", str(mp)]
 
@@ -134,7 +152,7 @@ def train_stop_resume_data_parallel(root, mp):
     (run,) = glob.glob(os.path.join(root, "stop", "*"))
     out["files"] = sorted(os.listdir(os.path.join(run, "4")))
     out["resumed"] = losses("resumed", ["--load", run, "--save", os.path.join(root, "resumed")])
-    from sat_patches.testing import patches_removed
+    from patching import patches_removed
     with patches_removed(*RESUME_LOAD_SIDE):
         out["stock"] = losses("stock", ["--load", run, "--save", os.path.join(root, "stock")])
     return out

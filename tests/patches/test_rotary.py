@@ -9,7 +9,7 @@ import torch
 import sat_patches  # noqa: F401
 from sat.model.position_embedding.rotary_embeddings import RotaryEmbedding, apply_rotary_pos_emb_index_torch
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
-from sat_patches.testing import patches_removed
+from patching import patches_removed
 
 
 def _qk(batch=2, heads=3, seq=7, dim=16, dtype=torch.float32):

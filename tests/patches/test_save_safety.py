@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 CONFIG = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 1024}
 

@@ -10,7 +10,7 @@ import torch
 from sat_patches.core import settings
 from sat_patches.runtime import devices, host_relay
 from sat_patches.runtime.distributed import process_group_backend
-from sat_patches.testing import run_ranks
+from multirank import run_ranks
 
 
 def collectives_through(backend_name):

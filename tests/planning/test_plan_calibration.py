@@ -50,7 +50,7 @@ SHAPES = [(128, 256, 2, 80, "bfloat16"), (128, 512, 2, 80, "bfloat16"), (256, 25
 @pytest.fixture(scope="module")
 def layers_measured(tmp_path_factory):
     from sat_patches.cogvlm import prepare_tiny_run
-    from sat_patches.testing import run_ranks
+    from multirank import run_ranks
     tiny = prepare_tiny_run(str(tmp_path_factory.mktemp("calibration")), "cogvlm", n_train=1, n_valid=1)
     shapes = [(h, f, heads, t, getattr(torch, dtype)) for h, f, heads, t, dtype in SHAPES]
     [r] = run_ranks("live_bytes:one_layer_saved_bytes", 1, args=(tiny, shapes), timeout=300)

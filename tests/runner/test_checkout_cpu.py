@@ -1,6 +1,6 @@
 """The drop-in scripts in a CogVLM checkout with no GPU: CPU_RANKS=2 runs the checkout's own demo on CPU
 ranks (tiny checkpoint from its classes, train at MP=2, save both shards, its LoRA merge), and without
-CPU_RANKS one message names both ways out. The checkout is the synthetic one of sat_patches.testing. The end-to-end
+CPU_RANKS one message names both ways out. The checkout is the synthetic one of tests/support/fake_checkout.py. The end-to-end
 runs of the synthetic checkout's demos are the user's path: CogAgent's from a wheel (test_checkout_wheel.py),
 CogVLM's through the GPU kit's tiny run (tests/benchmarks/test_gpu_kit_fork.py); a real checkout's runs here."""
 import json

@@ -140,7 +140,7 @@ from sat_patches.cogvlm import llama2_tokenizer, llama2_text_processor, get_imag
 '''
 
 DEMO = '''\
-"""Synthetic stand-in for CogVLM's finetune_demo/finetune_{kind}_demo.py (written by sat_patches.testing)."""
+"""Synthetic stand-in for CogVLM's finetune_demo/finetune_{kind}_demo.py (written by tests/support/fake_checkout.py)."""
 import argparse
 import os
 import sys

@@ -8,8 +8,8 @@ import contextlib
 import torch
 from sat.model.base_model import get_model
 
-from ..cogvlm import model_class_for, tiny_args, vision_expert
-from ..cogvlm.routing import route_by_mask
+from sat_patches.cogvlm import model_class_for, tiny_args, vision_expert
+from sat_patches.cogvlm.routing import route_by_mask
 
 
 def build_cogvlm(checkpointing: bool, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):

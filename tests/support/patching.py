@@ -1,9 +1,4 @@
-"""Test support: run code on several CPU ranks over gloo, and tiny SAT models."""
-from .multirank import CPU_STANDINS, RankResult, free_port, run_ranks, run_script, stock_disable
-
-__all__ = ["RankResult", "run_ranks", "run_script", "free_port", "CPU_STANDINS", "stock_disable",
-           "patches_removed"]
-
+"""Patches undone for the length of a block, in the test's own process."""
 import contextlib
 
 import sat_patches

@@ -1,6 +1,6 @@
 """A tiny LLaMA + LoRA model and SAT ``training_main`` script for CPU ranks.
 
-Run on 2 ranks:  ``torchrun --nproc-per-node 2 -m sat_patches.testing.tiny_lora --model-parallel-size 2``
+Run on 2 ranks:  ``torchrun --nproc-per-node 2 -m tiny_lora --model-parallel-size 2``
 (with ``import sat_patches`` first, e.g. through ``python -m sat_patches.launch``). Every rank
 writes its per-iteration losses to ``--loss-log`` (a JSON file per rank) when given.
 """
@@ -17,7 +17,7 @@ from sat.model.official.llama_model import LLaMAModel
 from sat.training import deepspeed_training  # its functions looked up at call time: patched or replaced
 
 from sat_patches.checkpoints.lora_names import is_adapter
-from sat_patches.testing.fake_backend import register_cuda_only_backend, simulate_cuda_barrier
+from fake_backend import register_cuda_only_backend, simulate_cuda_barrier
 
 VOCAB = 1024  # SAT's BaseTransformer makes a plain nn.Embedding below 1000 words, a model-parallel one from 1000
 DEFAULT_ARGS = [
@@ -100,7 +100,7 @@ def main(argv=None):
     py_parser.add_argument("--loss-log", default=None, help="JSON file per rank; '{rank}' is filled in")
     argv = sys.argv[1:] if argv is None else argv
     py_parser.add_argument("--cuda-only-backend", default=None,
-                           help="register a CUDA-only backend of this name (testing.fake_backend) and use it")
+                           help="register a CUDA-only backend of this name (fake_backend) and use it")
     known, rest = py_parser.parse_known_args(argv)
     if known.cuda_only_backend:
         rest += ["--distributed-backend", register_cuda_only_backend(known.cuda_only_backend)]
