@@ -38,7 +38,8 @@ def _kill_in_step_hook():
 def _run(patches):
     from multirank import run_script
     start = time.monotonic()
-    results = run_script([HERE, *ARGS], nranks=3, timeout=120, patches=patches,
+    # one rank a node, as on a cluster: no launcher ends the survivors for them, they must notice the dead rank
+    results = run_script([HERE, *ARGS], nranks=3, nodes=3, timeout=120, patches=patches,
                          env={"KILL_RANK": "1", "KILL_STEP": "3", "SAT_PATCHES_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
                               "SAT_PATCHES_COLLECTIVE_TIMEOUT": "60"})
     return results, time.monotonic() - start

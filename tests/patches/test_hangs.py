@@ -57,7 +57,8 @@ def _dump_time(stderr):
 
 @pytest.mark.slow
 def test_forced_hang_dumps_every_rank_within_the_timeout_and_exits_nonzero():
-    results = run_ranks(hang_in_parameter_sync, 2, timeout=180, env={hangs.ENV: str(TIMEOUT)})
+    # one rank a node: each rank must end itself (within one node torchrun would end the other once one failed)
+    results = run_ranks(hang_in_parameter_sync, 2, nodes=2, timeout=180, env={hangs.ENV: str(TIMEOUT)})
     leader, follower = results
     for r in results:
         assert not r.timed_out and r.returncode == hangs.EXIT_CODE, r.output[-3000:]
