@@ -1,8 +1,9 @@
 """sat_patches: make multi-GPU (and CPU) fine-tuning of CogVLM/CogAgent on SwissArmyTransformer work.
 
-``import sat_patches`` (before or after ``import sat``) applies every patch once: at once when SAT is
-already imported, else the moment SAT is imported (so importing sat_patches alone, as its
-command-line tools do, costs no SAT start-up). Per patch opt-out: ``SAT_PATCHES_DISABLE=name1,name2``;
+``import sat_patches`` applies every patch once: at once when SAT is already imported, else the moment SAT is
+imported (so importing sat_patches alone, as its command-line tools do, costs no SAT start-up), through the one
+import hook of :mod:`sat_patches.core.import_hook`, which also serves the CUDA-only modules' stand-ins in this
+process where they are absent (without triton, ``import sat`` needs sat_patches imported first). Per patch opt-out: ``SAT_PATCHES_DISABLE=name1,name2``;
 ``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does not look as verified. :func:`status`
 tells what was applied (applying first if SAT was not imported yet), :func:`unpatch` restores the
 originals.
@@ -13,7 +14,7 @@ of those that share a target), the libraries they bind (:mod:`sat_patches.runtim
 the model kinds), :mod:`sat_patches.cogvlm` (CogVLM/CogAgent models, trainer, evaluation), :mod:`sat_patches.cli`
 (the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run).
 ``python -m sat_patches.launch`` runs a script with the
-patches armed; ``python -m sat_patches.merge``, ``.evaluate``, ``.finetune`` are ``sat-patches`` verbs.
+patches armed; ``python -m sat_patches VERB`` is ``sat-patches VERB``.
 """
 from __future__ import annotations
 
