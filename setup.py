@@ -24,7 +24,7 @@ def hf_pins() -> list:
 # the CPU demos' generated data: the checkout smoke run draws CAPTCHA images (sat_patches.cogvlm.captcha_data)
 DEMO = ["captcha==0.7.1"]
 # `sat-patches report` draws the memory ledger as a PNG
-REPORT = ["matplotlib>=3.6"]
+REPORT = ["matplotlib>=3.8.4"]
 
 setup(
     name="sat_patches",

@@ -84,7 +84,7 @@ def destroy_leftover_group() -> None:
     handler): left to the interpreter's teardown, gloo's threads can abort the finished rank (``terminate called
     without an active exception``, pytorch/pytorch#190489)."""
     if "torch.distributed" in sys.modules:  # (a script that never imported it made no group)
-        from sat_patches.runtime.distributed import destroy_group_at_exit
+        from sat_patches.runtime.distributed import destroy_group_at_exit  # (imports torch and SAT: only then)
         destroy_group_at_exit()
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
@@ -64,7 +65,6 @@ def enable_nccl_flight_recorder(environ=os.environ, nccl: Optional[bool] = None)
     """Where NCCL can run, turn on torch's NCCL flight recorder (read when an NCCL group is created), keeping
     any value the user set. Returns the variables set."""
     if nccl is None:
-        import torch
         nccl = dist.is_nccl_available() and torch.cuda.is_available()
     chosen = [k for k in NCCL_FLIGHT_RECORDER if nccl and k not in environ]
     for key in chosen:
