@@ -285,32 +285,6 @@ def test_cpu_parameters_are_the_mapped_file_and_training_never_writes_it(tiny_ch
     assert _digest(shard) == before
 
 
-@pytest.mark.slow  # a training step on the mapped model (~3 s)
-def test_with_torchs_older_plain_mapping_setter_the_file_is_still_never_written(tiny_checkpoint, monkeypatch):
-    """torch 2.2-2.4's ``set_default_mmap_options`` is a plain setter, not a context manager: a program's
-    MAP_SHARED default is set aside for the load and given back after it."""
-    from torch.utils import serialization as config
-    path, cfg, shard = tiny_checkpoint
-    before = _digest(shard)
-
-    def plain_setter(flags):
-        config.config.load.mmap_flags = flags
-    monkeypatch.setattr(torch.serialization, "set_default_mmap_options", plain_setter)
-    previous = torch.serialization.get_default_mmap_options()
-    plain_setter(mmap.MAP_SHARED)
-    try:
-        model = _from_pretrained(path, cfg)
-        assert torch.serialization.get_default_mmap_options() == mmap.MAP_SHARED  # the program's, given back
-    finally:
-        plain_setter(previous)
-    params = list(model.parameters())
-    assert all(in_file(p, shard) for p in params)
-    with torch.no_grad():
-        for p in params:
-            p.add_(1)
-    assert _digest(shard) == before
-
-
 def test_two_loads_of_one_file_share_its_pages(tiny_checkpoint):
     """Two models loaded from one file (two ranks of a node) hold the weights once: each page of the
     file is mapped by both (its proportional share, Pss, is half its resident size), none is copied."""
