@@ -1,12 +1,6 @@
-"""SAT <-> Hugging Face names of CogVLM and CogAgent, and their ``config.json``.
-
-The Hugging Face layout is the one of the released ``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf`` folders
-(their own remote code: ``CogVLMForCausalLM`` / ``CogAgentForCausalLM``). Every tensor keeps its shape and
-its values: SAT's fused ``query_key_value`` is HF's ``*_expert_query_key_value`` as it is ([q|k|v] thirds,
-heads contiguous in each, rotate-half rotary on both sides). The one name that is not one-to-one is the
-rotary ``inv_freq`` buffer: SAT keeps one for the model, HF one per layer (the same values).
-
-Needs neither torch nor SAT.
+"""SAT <-> Hugging Face names of CogVLM and CogAgent (the layout of ``THUDM/cogvlm-chat-hf`` /
+``cogagent-chat-hf``), and their ``config.json``. Every tensor keeps its shape and values; only the rotary
+``inv_freq`` buffer is not one-to-one (SAT keeps one for the model, HF one per layer). Needs neither torch nor SAT.
 """
 from __future__ import annotations
 
@@ -124,15 +118,9 @@ def hf_names(sat_key: str, num_layers: int) -> List[str]:
 # config.json <-> model_config.json
 # --------------------------------------------------------------------------------------
 
-def _template(config: dict) -> str:
-    return "chat" if config.get("text_processor_version") == "chat" else "base"
-
-
 def auto_map(model_class: str, local_code: bool) -> dict:
     """``config.json``'s ``auto_map``: with ``local_code`` the released one (the code's files sit in the folder);
-    without, each class in transformers' hub-reference form ``"<repository>--<module>.<Class>"``
-    (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``), which ``trust_remote_code`` reads as code taken
-    from that repository, so a folder without the ``.py`` files still loads where the hub can be reached."""
+    without, in transformers' hub-reference form (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``)."""
     if local_code:
         return dict(AUTO_MAP[model_class])
     return {auto: f"{HUB_REPOS[model_class]}--{ref}" for auto, ref in AUTO_MAP[model_class].items()}
@@ -155,7 +143,8 @@ def hf_config(config: dict, torch_dtype: str, local_code: bool = False) -> dict:
         "intermediate_size": config["inner_hidden_size"], "max_position_embeddings": config["max_sequence_length"],
         "num_attention_heads": config["num_attention_heads"], "num_hidden_layers": config["num_layers"],
         "rms_norm_eps": config.get("layernorm_epsilon", SAT_DEFAULT_EPS),
-        "template_version": _template(config), "tie_word_embeddings": False, "torch_dtype": torch_dtype,
+        "template_version": "chat" if config.get("text_processor_version") == "chat" else "base",
+        "tie_word_embeddings": False, "torch_dtype": torch_dtype,
         "use_cache": True, "vocab_size": config["vocab_size"],
         "vision_config": {
             "dropout_prob": 0.0, "hidden_act": "gelu", "in_channels": eva.get("in_channels", 3),
