@@ -28,11 +28,8 @@ _saves = [0]  # saves this process has made (names the exchange of each save's s
 
 
 def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> None:
-    """SAT's ``save_ds_checkpoint`` (sat/training/model_io.py) calls ``torch.cuda.get_rng_state()`` on every
-    save (CPU runs fail unless ``--no-save-rng``), and leaves out the model-parallel RNG tracker's states,
-    which SAT's ``load_checkpoint`` restores but its save never wrote (a resumed CUDA run re-drew its
-    attention-dropout masks). Here the CUDA state is saved only where the device is CUDA, and the tracker's
-    states are saved too."""
+    """SAT's ``save_ds_checkpoint``, saving the CUDA random state only where the device is CUDA, and the
+    model-parallel RNG tracker's states, which SAT's ``load_checkpoint`` restores."""
     sd = {"iteration": iteration}
     if lr_scheduler is not None:
         sd["client_lr_scheduler"] = lr_scheduler.state_dict()
@@ -50,11 +47,8 @@ def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> N
 
 
 def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
-    """SAT's ``save_ds_checkpoint_no_optim`` (sat/training/model_io.py) has DeepSpeed write the whole model
-    into every save (~35 GB for CogVLM at MP=1, THUDM/CogVLM#303, THUDM/CogVideo#244), though a LoRA run
-    trains megabytes of it. When :func:`~sat_patches.checkpoints.adapter.adapter_only` says so, ``original``
-    (SAT's function) runs with DeepSpeed asked for the trained parameters only (``exclude_frozen_parameters``),
-    and ``adapter.json`` beside the shards names the base checkpoint the model was loaded from."""
+    """SAT's ``save_ds_checkpoint_no_optim`` (``original``); when :func:`.adapter.adapter_only` says so, with
+    DeepSpeed asked for the trained parameters only and ``adapter.json`` naming the base checkpoint."""
     module = getattr(model, "module", model)
     if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
         return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
@@ -70,10 +64,9 @@ def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save
 
 
 def save_checkpoint_staged(original, iteration, model, optimizer, lr_scheduler, args) -> None:
-    """SAT's ``save_checkpoint`` (sat/training/model_io.py; ``original``), staged in ``<save>/.saving-<N>-<run>``
-    and published by one rename on rank 0. Stock SAT writes shards and ``latest`` in place: a rank killed
-    mid-save, as the kill -9 of THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to
-    resume from. Without ``args.save`` or a process group, SAT's own save."""
+    """SAT's ``save_checkpoint`` (``original``): rank 0 takes the folder's save lock; every rank saves into
+    ``<save>/.saving-<N>-<run>`` and fsyncs it; rank 0 publishes it (:func:`.publish.publish`). Without
+    ``args.save`` or a process group, SAT's own save."""
     save = getattr(args, "save", None)
     if not save or not dist.is_initialized():
         return original(iteration, model, optimizer, lr_scheduler, args)
