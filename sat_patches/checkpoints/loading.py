@@ -113,10 +113,8 @@ def _handle_missing(module, args, mode, missing):
         module.reinit(names)
 
 
-def _build(args, model_cls, kwargs, on_meta: bool):
-    """Build like SAT's ``get_model``; on meta without initialising or moving anything."""
-    if not on_meta:
-        return get_model(args, model_cls, **kwargs)
+def _build_on_meta(args, model_cls, kwargs):
+    """Build like SAT's ``get_model``, on meta without initialising or moving anything."""
     kwargs = dict(kwargs)
     dtype = construction.run_dtype(args, kwargs.pop("params_dtype", None))
     print_rank0(f"building {model_cls.__name__} model on meta, {dtype} ...")
@@ -135,13 +133,13 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     ``get_model``) then loaded into."""
     source = open_source(ckpt, prefix)  # before building: a damaged file stops here
     with stage(f"building {model_cls.__name__} on meta"):
-        model = _build(args, model_cls, kwargs, on_meta=True)
+        model = _build_on_meta(args, model_cls, kwargs)
     if not fills_every_tensor(model, source):
         check_config_fits_files(model, ckpt)
         print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
                     f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
         with stage(f"building {model_cls.__name__} on {devices.compute_device()}"):
-            model = _build(args, model_cls, kwargs, on_meta=False)
+            model = get_model(args, model_cls, **kwargs)
     load_checkpoint(model, args, prefix=prefix, source=source, all_ranks=True)
     return model.to(materialise_device())
 
@@ -209,7 +207,7 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
                     setattr(args, k, v)
     ensure_model_parallel(args)
     if build_only:
-        return _build(args, model_cls, kwargs, on_meta=False), args
+        return get_model(args, model_cls, **kwargs), args
     model = build_and_load(model_cls, args, ckpt, prefix, **kwargs)
     new_mp = (overwrite_args or {}).get("model_parallel_size")
     if new_mp is not None and (new_mp != 1 or caller_mp == 1):
@@ -218,11 +216,8 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
 
 
 class SharedStartClock:
-    """Stands in for the ``datetime`` class in SAT's training module (``from datetime import datetime``).
-
-    Everything is the real class's, except that after :meth:`share` the next ``now()`` returns the
-    shared time (rank 0's start, which SAT's ``training_main`` turns into ``experiment_name``); later
-    calls return the real time again."""
+    """Stands in for the ``datetime`` class in SAT's training module: everything is the real class's, except
+    that after :meth:`share` the next ``now()`` returns the shared time (rank 0's start)."""
 
     def __init__(self, real):
         self.real = real

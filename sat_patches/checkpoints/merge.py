@@ -60,11 +60,9 @@ def fold_lora(model: torch.nn.Module, paths: List[str]) -> None:
         setattr(parent, name, lora2.merge_linear_lora(getattr(parent, name)))
 
 
-def _checkpoint_dtype(state: dict) -> torch.dtype:
-    for t in state.values():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t.dtype
-    return torch.float32
+def float_dtype(tensors) -> torch.dtype:
+    """The dtype of the first floating-point tensor among ``tensors`` (a checkpoint's), else float32."""
+    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
 
 
 def model_class(name: str, imports=()):
@@ -116,7 +114,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
         source = sharding.ShardedSource(ckpt)
     state = source.state[0]
     base = adapter_base(ckpt, checkpoint)  # an adapter-only save: its base's shards
-    dtype = _checkpoint_dtype(base.state[0] if base else state)
+    dtype = float_dtype((base.state[0] if base else state).values())
     cls, args = build_args(config, dtype, imports)
     _simple_init(model_parallel_size=1, seed=1)
     with construction.build_on("meta", dtype):

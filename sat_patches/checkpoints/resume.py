@@ -34,9 +34,8 @@ _opened: dict = {}
 
 
 def _model_states(args) -> Optional[dict]:
-    """This rank's ``mp_rank_XX_model_states.pt`` of the checkpoint being resumed, memory-mapped (opened
-    once per resume: weights are not read); None (with a warning) when the checkpoint has another
-    model-parallel size than this run."""
+    """This rank's ``mp_rank_XX_model_states.pt`` of the checkpoint being resumed, mapped once per resume; None
+    (with a warning) when the checkpoint has another model-parallel size than this run."""
     key = (args.load, int(args.iteration))
     if key not in _opened:
         _opened.clear()
@@ -133,15 +132,6 @@ def restore_lr_schedule(scheduler, args) -> bool:
     return True
 
 
-def restore_rng_states(args) -> None:
-    """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
-    if getattr(args, "no_load_rng", False):
-        return
-    states = _model_states(args)
-    if states is not None:
-        restore_rng(states)
-
-
 class ResumableBatchSampler(torch.utils.data.BatchSampler):
     """A ``BatchSampler`` that skips its first ``start_iter`` batches once, as SAT's
     ``DistributedBatchSampler`` does (indices only: no sample of a skipped batch is loaded)."""
@@ -192,7 +182,9 @@ def train_restoring_rng(original, model, optimizer, lr_scheduler, train_data, va
     again from the checkpoint once ``train`` has created its data iterators (:class:`RestoreRngAfterIter`)."""
     if resuming(args):
         def restore():
-            restore_rng_states(args)
+            states = None if getattr(args, "no_load_rng", False) else _model_states(args)
+            if states is not None:
+                restore_rng(states)
             _opened.clear()  # the resumed checkpoint's mapped states: everything is restored from them
         if val_data is not None:
             val_data = RestoreRngAfterIter(val_data, restore)

@@ -110,15 +110,14 @@ class ArrayBuilder:
         return self.array
 
 
-def named(cls: type, full_name: str) -> type:
-    """``cls`` under numpy's ``module.name``, as torch's unpickler matches allowed globals by name."""
-    module, _, name = full_name.rpartition(".")
-    return type(name, (cls,), {"__module__": module, "__qualname__": name})
-
-
 def standins(names: Dict[str, type]) -> List[type]:
-    """One named stand-in per numpy global name (``{"numpy.dtype": DTypeBuilder, ...}``)."""
-    return [named(cls, full) for full, cls in names.items()]
+    """Each stand-in of ``{"numpy.dtype": DTypeBuilder, ...}`` under numpy's ``module.name`` (a subclass), as
+    torch's unpickler matches allowed globals by name."""
+    out = []
+    for full, cls in names.items():
+        module, _, name = full.rpartition(".")
+        out.append(type(name, (cls,), {"__module__": module, "__qualname__": name}))
+    return out
 
 
 def _finish_one(obj, seen: Dict[int, Any]):

@@ -23,12 +23,6 @@ class SaveLockError(RuntimeError):
     """Another live run is saving into the same folder."""
 
 
-def run_token() -> str:
-    """This process's name in lock files and staging folders: host and process id."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -66,7 +60,8 @@ def acquire(folder: str) -> str:
     """Hold ``folder``'s save lock for this process (again, if it holds it already); its run token.
     :class:`SaveLockError` while another live run holds it."""
     path = os.path.join(folder, LOCK_NAME)
-    token = run_token()
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    token = f"{host}-{os.getpid()}"  # this process's name in the lock and the staging folder
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": token}
     for _ in range(3):
         if _create(path, record):

@@ -1,4 +1,5 @@
-"""SAT's checkpoint saves, made to work on CPU runs, to save only a LoRA run's adapters, and to be atomic.
+"""SAT's checkpoint saves, made to work on CPU runs, to save only a LoRA run's adapters, and to be atomic (staged,
+then published by one rename once every model-parallel shard is there).
 
 Each function takes the place of (or wraps, given as ``original``) one function of ``sat/training/model_io.py``.
 SAT functions that other patches replace are looked up through their module (``model_io.<name>``) at call time.
@@ -20,11 +21,55 @@ from sat.training import model_io  # save_ds_checkpoint_no_optim looked up at ca
 from ..core.coordination import store_gather
 from ..runtime.devices import compute_device
 from . import adapter, save_lock
-from .publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
+from .files import CheckpointError, find_checkpoint, missing_optimizer_shards
 from .state import model_parallel_rng_tracker
-from .writer import fsync_tree
+from .writer import fsync_tree, replace_dir, write_text_atomic
 
+STAGING_PREFIX = ".saving-"
 _saves = [0]  # saves this process has made (names the exchange of each save's staging folder)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that could not start (another run saving into the folder, a folder that cannot be written)."""
+
+
+def staging_dir(save: str, iteration, token: str = "") -> str:
+    """Where one run stages its save of ``iteration``: ``<save>/.saving-<N>-<run token>``."""
+    return os.path.join(save, f"{STAGING_PREFIX}{iteration}" + (f"-{token}" if token else ""))
+
+
+def sweep_stale_staging(save: str, keep: str) -> None:
+    """Remove the staging folders of earlier saves (crashed, killed, or stopped by a full disk) except
+    ``keep``: called by the run that holds the folder's save lock, so no live save owns them."""
+    for entry in os.listdir(save):
+        path = os.path.join(save, entry)
+        if entry.startswith(STAGING_PREFIX) and path != keep and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(staged: str, save: str, world_size: int = 1, mp_size: int = 1) -> None:
+    """Move a staged save (``<N>`` directories, ``model_config.json``, ``latest``) into ``save``:
+    each directory fsynced and put in place with one rename, then ``model_config.json``, then
+    ``latest`` last. Only a complete save is published: every model-parallel shard, and when the
+    save holds ZeRO optimizer shards, one for every data-parallel and model-parallel rank; else
+    :class:`CheckpointError` names what is missing and ``save`` keeps its previous checkpoint."""
+    ckpt = find_checkpoint(staged)  # every MP shard present and not truncated
+    folder = os.path.dirname(ckpt.files[0])
+    missing = missing_optimizer_shards(folder, max(world_size // mp_size, 1), mp_size)
+    if missing:
+        raise CheckpointError(f"the save of iteration {ckpt.iteration} lacks {', '.join(missing)} in {folder}: not "
+                              f"published; '{save}' keeps its previous checkpoint")
+    for entry in sorted(os.listdir(staged)):
+        src = os.path.join(staged, entry)
+        if os.path.isdir(src):
+            replace_dir(src, os.path.join(save, entry))
+    config = os.path.join(staged, "model_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            write_text_atomic(os.path.join(save, "model_config.json"), f.read())
+    with open(os.path.join(staged, "latest")) as f:
+        write_text_atomic(os.path.join(save, "latest"), f.read().strip())
+    shutil.rmtree(staged, ignore_errors=True)
 
 
 def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> None:
@@ -65,7 +110,7 @@ def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save
 
 def save_checkpoint_staged(original, iteration, model, optimizer, lr_scheduler, args) -> None:
     """SAT's ``save_checkpoint`` (``original``): rank 0 takes the folder's save lock; every rank saves into
-    ``<save>/.saving-<N>-<run>`` and fsyncs it; rank 0 publishes it (:func:`.publish.publish`). Without
+    ``<save>/.saving-<N>-<run>`` and fsyncs it; rank 0 publishes it (:func:`publish`). Without
     ``args.save`` or a process group, SAT's own save."""
     save = getattr(args, "save", None)
     if not save or not dist.is_initialized():

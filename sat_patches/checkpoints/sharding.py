@@ -64,11 +64,9 @@ def parallel_kind(layer: torch.nn.Module) -> str:
 
 
 def lora_factor_split(kind: str, factor: str) -> Optional[Split]:
-    """How LoRA's ``factor`` ("matrix_A", r x in; "matrix_B", out x r) of a layer whose base is of
-    parallel ``kind`` is split across model-parallel ranks; None when every rank holds it whole.
-
-    A follows the base's input: split by columns under a row-parallel base. B follows the base's
-    output: split by rows under a column-parallel base."""
+    """How LoRA's ``factor`` of a layer whose base is of parallel ``kind`` is split across model-parallel ranks
+    (None: whole on every rank). A (r x in) follows the base's input: split by columns under a row-parallel
+    base; B (out x r) its output: split by rows under a column-parallel base."""
     if factor == FACTOR_A:
         return Split(1) if kind == ROW else None
     if factor == FACTOR_B:

@@ -39,15 +39,13 @@ def shard_files(hf_dir: str) -> Dict[str, str]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ExportError(f"'{index}' has no weight_map: download it again")
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        weight_map = None
+        header = stream.read_header(os.path.join(hf_dir, "model.safetensors"))
+        return {k: "model.safetensors" for k in header if not k.startswith("__")}
     else:
         bins = [f for f in os.listdir(hf_dir) if f.endswith(".bin")]
         hint = (f" (it holds {', '.join(sorted(bins)[:3])}: pickled weights are not read; convert them with "
                 f"transformers' save_pretrained(safe_serialization=True) first)") if bins else ""
         raise ExportError(f"'{hf_dir}' has neither model.safetensors.index.json nor model.safetensors{hint}")
-    if weight_map is None:
-        header = stream.read_header(os.path.join(hf_dir, "model.safetensors"))
-        return {k: "model.safetensors" for k in header if not k.startswith("__")}
     missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, f))})
     if missing:
         raise ExportError(f"'{hf_dir}' lacks shard(s) {', '.join(missing)} named by model.safetensors.index.json: "

@@ -114,10 +114,6 @@ def hf_names(sat_key: str, num_layers: int) -> List[str]:
     return [hf_name(sat_key)]
 
 
-# --------------------------------------------------------------------------------------
-# config.json <-> model_config.json
-# --------------------------------------------------------------------------------------
-
 def auto_map(model_class: str, local_code: bool) -> dict:
     """``config.json``'s ``auto_map``: with ``local_code`` the released one (the code's files sit in the folder);
     without, in transformers' hub-reference form (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``)."""
@@ -183,16 +179,13 @@ def sat_config(hf: dict, mp: int) -> dict:
     out.update(num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
                vocab_size=hf["vocab_size"], layernorm_order="pre", model_parallel_size=mp,
                max_sequence_length=hf.get("max_position_embeddings", 2048))
+    out.update(use_bias=False, inner_hidden_size=hf["intermediate_size"], image_length=(image // patch) ** 2)
     if cls == "CogAgentModel":
         encoder = hf.get("cross_vision_config") or {}
-        out.update(is_decoder=[True] * layers, cross_attn_hidden_size=hf["cross_hidden_size"])
-    out.update(use_bias=False, inner_hidden_size=hf["intermediate_size"])
-    if cls == "CogAgentModel":
-        out.update(cross_hidden_size_per_attention_head=hf["cross_compute_hidden_size"] // heads,
-                   encoder_args={k: v for k, v in encoder.items() if EVA_CLIP_L_DEFAULTS.get(k) != v})
-    out["image_length"] = (image // patch) ** 2
-    if cls == "CogAgentModel":
-        out["cross_image_pix"] = hf["cross_image_size"]
+        out.update(is_decoder=[True] * layers, cross_attn_hidden_size=hf["cross_hidden_size"],
+                   cross_hidden_size_per_attention_head=hf["cross_compute_hidden_size"] // heads,
+                   encoder_args={k: v for k, v in encoder.items() if EVA_CLIP_L_DEFAULTS.get(k) != v},
+                   cross_image_pix=hf["cross_image_size"])
     out["eva_args"] = eva
     out.update(bos_token_id=hf.get("bos_token_id", 1), eos_token_id=hf.get("eos_token_id", 2),
                pad_token_id=hf.get("pad_token_id", 0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6))

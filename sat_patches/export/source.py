@@ -20,7 +20,7 @@ from ..checkpoints.lora_names import factor_key
 from ..checkpoints.model_config import read_model_config
 from ..cogvlm.on_meta import build_on_meta
 from ..lora.layer import add_lora_product
-from ..checkpoints.merge import adapter_base
+from ..checkpoints.merge import adapter_base, float_dtype
 from . import names
 
 class ExportError(CheckpointError):
@@ -69,7 +69,6 @@ class SatCheckpoint:
         self.loras: Dict[str, List[str]] = {}
         self._check()
 
-    # -- checks, all before anything is written ------------------------------------------------
     def _check(self) -> None:
         unknown = []
         for source in [s for s in (self.own, self.base) if s is not None]:
@@ -115,7 +114,6 @@ class SatCheckpoint:
             raise ExportError(f"{self.path}: vision experts in layers {sorted(have)} of {layers}; the Hugging Face "
                               f"layout has them in every layer (build with all layers in vision_layer_range)")
 
-    # -- reading -------------------------------------------------------------------------------
     def split(self, name: str):
         path, _, attr = name.rpartition(".")
         return sharding.split_of(self.model, name, self.model.get_submodule(path), attr)
@@ -125,12 +123,7 @@ class SatCheckpoint:
         return list(self.like)
 
     def dtype(self) -> torch.dtype:
-        for name in self.keys():
-            source, key = self._where[name]
-            t = source.state[0][key]
-            if t.is_floating_point():
-                return t.dtype
-        return torch.float32
+        return float_dtype(map(self.saved, self.keys()))
 
     def saved(self, name: str) -> torch.Tensor:
         """The tensor as shard 0 holds it (for its dtype)."""
@@ -141,8 +134,6 @@ class SatCheckpoint:
         """The full-size tensor as saved (a view of the mapped file when it is one piece), LoRA not folded."""
         source, key = self._where[name]
         like = torch.empty(self.like[name].shape, dtype=source.state[0][key].dtype, device="meta")
-        # one saved tensor: a view of the mapped file; joined from shards: new memory, filled a chunk at a
-        # time with the mapped pages of each chunk dropped after it
         return source.materialised(key, like, self.split(name), torch.device("cpu"))
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -24,12 +24,11 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def write_safetensors(path: str, plan: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
-                      produce: Callable[[str], torch.Tensor], done: Callable[[torch.Tensor], None] = lambda t: None,
-                      metadata=None) -> int:
+                      produce: Callable[[str], torch.Tensor], done: Callable[[torch.Tensor], None] = lambda t: None) -> int:
     """Write ``plan`` (``(name, shape, dtype)`` in file order) to ``path``: ``produce(name)`` gives each
     tensor when its turn comes (checked against the plan), ``done(tensor)`` runs after its bytes are
     written. Returns the bytes of tensor data."""
-    header, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, 0
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype in plan:
         size = nbytes(shape, dtype)
         header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
