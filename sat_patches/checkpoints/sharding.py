@@ -217,9 +217,8 @@ class ShardedSource:
         return out
 
     def _lendable(self, parts, like: torch.Tensor, device: torch.device) -> bool:
-        """Can the model's tensor be the mapped one: zero copy is on (:func:`zero_copy`), the device is
-        the CPU, the slice is one whole saved tensor of ``like``'s dtype, contiguous, in a storage not
-        lent yet (two parameters must not alias)."""
+        """Can the model's tensor be the mapped one: zero copy on, the CPU, one whole saved tensor of ``like``'s
+        dtype, contiguous, in a storage not lent yet (two parameters must not alias)."""
         if not (self.lending and device.type == "cpu" and len(parts) == 1 and parts[0][0] == ()):
             return False
         src = parts[0][1]

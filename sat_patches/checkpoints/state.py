@@ -95,11 +95,10 @@ def _resolve(model: torch.nn.Module, key: str):
 
 def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
                lend=True) -> Tuple[List[str], List[str]]:
-    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
-    where a tensor is still on meta (attributes such as ``model_parallel`` are kept), the assigned
-    tensor lent from the mapped file where it can be (:meth:`ShardedSource.materialised`; ``lend``
-    False copies every one, a callable ``lend(module)`` decides per module). ``after(module, prefix)``,
-    when given, runs as each module is complete (its children loaded). Returns (missing_keys, unexpected_keys)."""
+    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment where a
+    tensor is still on meta, lent from the mapped file where ``lend`` (or ``lend(module)``) allows
+    (:meth:`ShardedSource.materialised`). ``after(module, prefix)`` runs as each module is complete.
+    Returns (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
     # id(meta tensor) -> (it, its replacement): shared (tied) tensors are loaded once. The replacement
     # by weak reference: a layer converted as it is loaded (QLoRA's NF4) frees its float weights at once
