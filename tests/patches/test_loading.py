@@ -98,7 +98,8 @@ def test_from_pretrained_stops_before_building(ckpt_dir, monkeypatch):
     """A truncated shard or an incomplete model_config.json stops from_pretrained before any build."""
     def no_build(*a, **kw):
         raise AssertionError("the model was built")
-    monkeypatch.setattr(loading, "_build", no_build)
+    monkeypatch.setattr(loading, "_build_on_meta", no_build)
+    monkeypatch.setattr(loading, "get_model", no_build)
     monkeypatch.setattr(loading, "ensure_model_parallel", no_build)
     from sat.model.base_model import BaseModel
     shard = ckpt_dir / "1" / "mp_rank_00_model_states.pt"
