@@ -1,20 +1,11 @@
 """Adapter-only checkpoints: a LoRA run saves its adapters, and names the base they belong to.
 
-A LoRA run of CogVLM trains ~20 M parameters, but SAT saves the whole model at every save interval (~35 GB
-at MP=1, THUDM/CogVLM#303; THUDM/CogVideo#244). An adapter-only save keeps SAT's layout
-(``<run>/<N>/mp_rank_XX_model_states.pt``, ``latest``, ``model_config.json``) with only the trained
-parameters in ``module`` (DeepSpeed's ``exclude_frozen_parameters``), and writes beside the shards
-``<run>/<N>/adapter.json``: the base checkpoint the run was started from (its path, iteration, size in
-bytes and a fingerprint). Loading such a save needs its base in the model first, and a base whose
-fingerprint differs is refused with both.
-
-The fingerprint is a SHA-256 over each model-states file's name and size and 16 blocks of 64 KiB spread
-over it: seconds for a 35 GB checkpoint, and it changes when any file is replaced, resized or rewritten
-where it is sampled (it is not a full-content hash).
+An adapter-only save keeps SAT's layout with only the trained parameters in ``module`` and writes
+``<run>/<N>/adapter.json`` beside the shards: the base checkpoint's path, iteration, size and :func:`fingerprint`.
+Loading it needs that base in the model first; a base whose fingerprint differs is refused.
 
 ``SAT_PATCHES_SAVE_ADAPTER_ONLY``: unset (or ``1``), adapter-only saves when the model was loaded from a
-checkpoint and only LoRA matrices train, else the whole model (with ``1`` and a warning: nothing that
-trains is ever left out of a save); ``0``, always the whole model.
+checkpoint and only LoRA matrices train, else the whole model (with ``1``, and a warning); ``0``, always whole.
 """
 from __future__ import annotations
 
@@ -41,7 +32,8 @@ class AdapterError(CheckpointError):
 
 
 def fingerprint(ckpt: Checkpoint) -> Dict:
-    """Path, iteration, total bytes and sampled SHA-256 of the model-states files of ``ckpt``."""
+    """Path, iteration, total bytes and a SHA-256 of the model-states files of ``ckpt`` over their names, sizes
+    and 16 blocks of 64 KiB spread over each (sampled: not a hash of the full content)."""
     digest, total = hashlib.sha256(), 0
     for file in sorted(ckpt.files):
         size = os.path.getsize(file)
@@ -55,17 +47,13 @@ def fingerprint(ckpt: Checkpoint) -> Dict:
             "bytes": total, "sha256": digest.hexdigest()}
 
 
-def setting() -> Optional[bool]:
-    try:
-        return settings.read(SETTING)
-    except settings.SettingError as exc:
-        raise AdapterError(str(exc)) from None
-
-
 def adapter_only(module) -> bool:
     """Whether this save of ``module`` holds its adapters only: it was loaded from a checkpoint and only
     LoRA matrices train (anything else that trains, or a model merged after training, is saved whole)."""
-    chosen = setting()
+    try:
+        chosen = settings.read(SETTING)
+    except settings.SettingError as exc:
+        raise AdapterError(str(exc)) from None
     if chosen is False:
         return False
     base = getattr(module, BASE_ATTRIBUTE, None)

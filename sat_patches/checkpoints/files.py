@@ -1,7 +1,5 @@
-"""Checkpoint directories and ``model_config.json``: found and checked before any weight is read.
-
-Bad input (missing/empty/truncated checkpoint directory, a ``model_config.json`` without the fields
-SAT needs) stops with a :class:`CheckpointError` saying what to change, before the model is built.
+"""Checkpoint directories found and checked before any weight is read: a missing, empty or truncated one stops
+with a :class:`CheckpointError` saying what to change.
 """
 from __future__ import annotations
 
@@ -12,14 +10,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-
 from . import safe_load
 from .model_config import SIZE_LIMITS, CheckpointError
-
-
-
-
-
 
 
 _SHARD = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -151,8 +143,3 @@ def _read_latest(load_path: str, entries: List[str]) -> Tuple[int, bool]:
     if text.isdigit() and int(text) > 0:
         return int(text), False
     raise CheckpointError(f"'{tracker}' says {text!r}: it must hold an iteration number > 0 or 'release'")
-
-
-
-
-

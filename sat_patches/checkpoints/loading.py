@@ -5,7 +5,6 @@ only its own slices of the memory-mapped files (:func:`load_checkpoint`, :func:`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
@@ -27,24 +26,13 @@ from ..checkpoints.model_config import read_model_config
 from ..checkpoints.lora_names import is_adapter
 from ..checkpoints.sharding import ShardedSource
 from ..checkpoints.state import (check_config_fits_files, fills_every_tensor, load_state, materialise_device,
-                                 meta_tensors, open_source, restore_rng,)
+                                 meta_tensors, model_parallel_in_use, open_source, restore_rng,)
 from ..core.coordination import barrier, group_store, stage, store_gather
 from ..core.registry import SatPatchesWarning
 from ..lora import qlora
 from ..runtime import construction, devices
 
 _all_ranks_load = False  # True inside training_main: every rank calls load_checkpoint
-
-
-@contextlib.contextmanager
-def all_ranks_loading():
-    """Inside the block every rank calls ``load_checkpoint`` (SAT's ``training_main``)."""
-    global _all_ranks_load
-    previous, _all_ranks_load = _all_ranks_load, True
-    try:
-        yield
-    finally:
-        _all_ranks_load = previous
 
 
 def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=None, *,
@@ -68,15 +56,10 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
         adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
         convert = qlora.nf4_as_loaded(module, args)
-        # linears converted as they load (QLoRA's NF4) are copied: lent, their pages would stay mapped after
-        # it; what stays as saved is lent as in any load (a converter that does not say what it converts:
-        # everything is copied)
+        # what a converter (QLoRA's NF4) converts as it loads is copied, not lent (its pages would stay mapped);
+        # under a converter that does not say what it converts, everything is copied
         converts = getattr(convert, "converts", None)
-        if convert is None or converts is None:
-            lend = convert is None
-        else:
-            def lend(module):
-                return not converts(module)
+        lend = (lambda m: not converts(m)) if converts else convert is None
         missing, unexpected = load_state(module, source, after=convert, lend=lend)
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
         missing = [k for k in missing if is_adapter(k)]
@@ -96,9 +79,10 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     if mode == "finetune":
         iteration = 0
     elif mode == "pretrain" and not getattr(args, "no_load_rng", False):
-        # a resumed run loads its base first (``from_pretrained``, a model-only checkpoint without random states)
-        # and then the run it continues (``--load``), whose states count: only that one's absence is said
-        restore_rng(source.own, warn=continues_the_run(args, ckpt.path))
+        # a resumed run loads its base (``from_pretrained``: no random states) before the run it continues
+        # (``--load``, or no --load at all), whose states count: only that one's absence is said
+        run = getattr(args, "load", None)
+        restore_rng(source.own, warn=not run or os.path.realpath(ckpt.path) == os.path.realpath(run))
     elif mode == "inference":
         module.eval()
     del source
@@ -106,13 +90,6 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
         barrier(f"loaded '{ckpt.path}'")
     print_rank0(f"> loaded {ckpt.path} iteration {ckpt.iteration} (MP={ckpt.mp_size}) with sat_patches")
     return iteration
-
-
-def continues_the_run(args, folder: str) -> bool:
-    """The checkpoint in ``folder`` is the run being continued (``--load``, or no ``--load`` at all), not a base
-    model loaded before it."""
-    run = getattr(args, "load", None)
-    return not run or os.path.realpath(folder) == os.path.realpath(run)
 
 
 def _handle_missing(module, args, mode, missing):
@@ -136,10 +113,8 @@ def _handle_missing(module, args, mode, missing):
         module.reinit(names)
 
 
-def _build(args, model_cls, kwargs, on_meta: bool):
-    """Build like SAT's ``get_model``; on meta without initialising or moving anything."""
-    if not on_meta:
-        return get_model(args, model_cls, **kwargs)
+def _build_on_meta(args, model_cls, kwargs):
+    """Build like SAT's ``get_model``, on meta without initialising or moving anything."""
     kwargs = dict(kwargs)
     dtype = construction.run_dtype(args, kwargs.pop("params_dtype", None))
     print_rank0(f"building {model_cls.__name__} model on meta, {dtype} ...")
@@ -158,15 +133,13 @@ def build_and_load(model_cls, args, ckpt: Checkpoint, prefix: str = "", **kwargs
     ``get_model``) then loaded into."""
     source = open_source(ckpt, prefix)  # before building: a damaged file stops here
     with stage(f"building {model_cls.__name__} on meta"):
-        model = _build(args, model_cls, kwargs, on_meta=True)
+        model = _build_on_meta(args, model_cls, kwargs)
     if not fills_every_tensor(model, source):
         check_config_fits_files(model, ckpt)
         print_rank0(f"building {model_cls.__name__} on {devices.compute_device()}: the checkpoint does "
                     f"not hold every tensor of the model ({', '.join(meta_tensors(model)[:3])} ...)")
-        model = None
-    if model is None:
         with stage(f"building {model_cls.__name__} on {devices.compute_device()}"):
-            model = _build(args, model_cls, kwargs, on_meta=False)
+            model = get_model(args, model_cls, **kwargs)
     load_checkpoint(model, args, prefix=prefix, source=source, all_ranks=True)
     return model.to(materialise_device())
 
@@ -175,19 +148,10 @@ def ensure_model_parallel(args) -> None:
     """torch.distributed and model-parallel groups of ``args.model_parallel_size``, before the model is
     built (SAT's ``BaseModel`` sets them up the same way; its ``from_pretrained`` re-creates them)."""
     size = getattr(args, "model_parallel_size", 1)
-    if dist.is_initialized() and mpu.model_parallel_is_initialized() \
-            and mpu.get_model_parallel_world_size() != size:
+    if model_parallel_in_use() and mpu.get_model_parallel_world_size() != size:
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(size)
     _simple_init(model_parallel_size=size, seed=getattr(args, "seed", 1234))
-
-
-def _model_parallel_in_use() -> Optional[int]:
-    """The model-parallel size this process runs at (set up by the script's ``get_args`` from its
-    ``--model-parallel-size``), or None before any is set up."""
-    if dist.is_initialized() and mpu.model_parallel_is_initialized():
-        return mpu.get_model_parallel_world_size()
-    return None
 
 
 def _check_model_parallel_size(args, model_path: str, saved: int) -> None:
@@ -213,14 +177,10 @@ def _check_model_parallel_size(args, model_path: str, saved: int) -> None:
 
 def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, prefix="", build_only=False,
                     use_node_group=True, overwrite_args=None, **kwargs):
-    """SAT's ``from_pretrained`` at any ``model_parallel_size``; ``model_cls`` None means AutoModel.
-
-    The caller's ``args`` and ``overwrite_args`` are left as they were; every rank builds and loads
-    only its own partition; an MP=N checkpoint loads at MP=N or any other size. The size is
-    ``overwrite_args``' ``model_parallel_size``, else the size this process already runs at (a script's
-    ``--model-parallel-size``, set up by SAT's ``get_args``: SAT's ChatGLM2 example and VisualGLM-6B pass no
-    ``overwrite_args``), else the checkpoint's; a size the model cannot be split into stops here.
-    """
+    """SAT's ``from_pretrained``, every rank building and loading only its own partition, the caller's
+    ``args`` and ``overwrite_args`` left as they were; ``model_cls`` None means AutoModel. The model-parallel
+    size is ``overwrite_args``', else the one this process runs at (a script's ``--model-parallel-size``),
+    else the checkpoint's; a size the model cannot be split into stops here."""
     model_path = name if os.path.isdir(name) else auto_create(name, path=home_path, url=url)
     read_model_config(model_path, need_class=model_cls is None)
     specific_iteration = kwargs.pop("specific_iteration", None)
@@ -234,9 +194,9 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
         args = model_cls.get_args() if model_cls is not None else argparse.Namespace()
     args = update_args_with_file(args, path=os.path.join(model_path, "model_config.json"))
     saved_mp = getattr(args, "model_parallel_size", 1)  # the size the checkpoint was saved at
-    if "model_parallel_size" not in overwrite and _model_parallel_in_use() is not None:
+    if "model_parallel_size" not in overwrite and model_parallel_in_use():
         # the run's size (the script's --model-parallel-size): the checkpoint is split or joined to it
-        overwrite["model_parallel_size"] = _model_parallel_in_use()
+        overwrite["model_parallel_size"] = mpu.get_model_parallel_world_size()
     args = overwrite_args_by_dict(args, overwrite_args=overwrite)
     _check_model_parallel_size(args, model_path, ckpt.mp_size if ckpt else saved_mp)
     if model_cls is None:
@@ -247,7 +207,7 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
                     setattr(args, k, v)
     ensure_model_parallel(args)
     if build_only:
-        return _build(args, model_cls, kwargs, on_meta=False), args
+        return get_model(args, model_cls, **kwargs), args
     model = build_and_load(model_cls, args, ckpt, prefix, **kwargs)
     new_mp = (overwrite_args or {}).get("model_parallel_size")
     if new_mp is not None and (new_mp != 1 or caller_mp == 1):
@@ -256,11 +216,8 @@ def from_pretrained(model_cls, name, args=None, *, home_path=None, url=None, pre
 
 
 class SharedStartClock:
-    """Stands in for the ``datetime`` class in SAT's training module (``from datetime import datetime``).
-
-    Everything is the real class's, except that after :meth:`share` the next ``now()`` returns the
-    shared time (rank 0's start, which SAT's ``training_main`` turns into ``experiment_name``); later
-    calls return the real time again."""
+    """Stands in for the ``datetime`` class in SAT's training module: everything is the real class's, except
+    that after :meth:`share` the next ``now()`` returns the shared time (rank 0's start)."""
 
     def __init__(self, real):
         self.real = real
@@ -288,9 +245,7 @@ class SharedStartClock:
 
 
 def load_checkpoint_unless_zero3(original, model, args, load_path=None, prefix="", specific_iteration=None):
-    """SAT's ``load_checkpoint`` (sat/training/model_io.py; ``original``) ``torch.load``s the whole checkpoint
-    into RAM on every rank (no mmap; THUDM/CogVLM#283, #320, #162) and loads MP=N checkpoints only at MP=N.
-    Here :func:`load_checkpoint`, mapped and rank-local; ZeRO-3 models keep SAT's own path (with safe loads)."""
+    """:func:`load_checkpoint` in place of SAT's (``original``); ZeRO-3 models keep SAT's (with safe loads)."""
     if check_if_zero3(args):
         with safe_load.module_loads_safely(model_io):
             return original(model, args, load_path=load_path, prefix=prefix, specific_iteration=specific_iteration)
@@ -298,12 +253,8 @@ def load_checkpoint_unless_zero3(original, model, args, load_path=None, prefix="
 
 
 def from_pretrained_unless_zero3(original, auto: bool, cls, name, args=None, **kwargs):
-    """SAT's ``BaseModel.from_pretrained`` / ``AutoModel.from_pretrained`` (sat/model/base_model.py; ``original``
-    the function under the classmethod): at MP>1 node rank 0 builds the full model and sends partitions
-    (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#162), MP=N to MP=N raises "model_parallel_size is
-    inconsistent" (THUDM/CogVLM#233), and the caller's args are mutated. Here :func:`from_pretrained`,
-    rank-local at any MP size (``auto``: the model class comes from the checkpoint's config); under ZeRO-3
-    SAT's own (zero.Init places the weights)."""
+    """:func:`from_pretrained` in place of SAT's ``BaseModel``/``AutoModel`` (``auto``) one (``original``, the
+    function under the classmethod); under ZeRO-3 SAT's own (zero.Init places the weights)."""
     if args is not None and check_if_zero3(args):
         with safe_load.module_loads_safely(model_io):
             return original(cls, name, args, **kwargs)
@@ -314,12 +265,9 @@ _runs = 0  # runs of training_main that shared rank 0's start time (names each e
 
 
 def training_main_with_shared_start(original, args, *a, **kw):
-    """SAT's ``training_main`` (sat/training/deepspeed_training.py; ``original``) names the run's
-    ``experiment_name`` after each rank's own clock: one MP run saves into two directories
-    (THUDM/CogVLM#269). A run that timestamps its name gets rank 0's start time on every rank, through the
-    :class:`SharedStartClock` standing in for the module's ``datetime``; every rank loads checkpoints
-    inside it (:func:`all_ranks_loading`)."""
-    global _runs
+    """SAT's ``training_main`` (``original``) with rank 0's start time on every rank (through the
+    :class:`SharedStartClock` standing in for its module's ``datetime``), every rank loading checkpoints inside it."""
+    global _runs, _all_ranks_load
     clock = getattr(sys.modules[original.__module__], "datetime", None)
     timestamped = not (args.load and args.mode == "pretrain")
     shared = isinstance(clock, SharedStartClock) and timestamped and group_store() is not None
@@ -327,9 +275,10 @@ def training_main_with_shared_start(original, args, *a, **kw):
         _runs += 1
         start = clock.real.now().isoformat() if dist.get_rank() == 0 else ""
         clock.share(clock.real.fromisoformat(store_gather(f"start/{_runs}", start)[0]))
+    previous, _all_ranks_load = _all_ranks_load, True
     try:
-        with all_ranks_loading():
-            return original(args, *a, **kw)
+        return original(args, *a, **kw)
     finally:
+        _all_ranks_load = previous
         if shared:
             clock.share(None)

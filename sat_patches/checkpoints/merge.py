@@ -1,17 +1,8 @@
-"""Merge a model-parallel LoRA checkpoint into one MP=1 checkpoint with the LoRA folded in
-(``sat-patches merge`` / ``python -m sat_patches merge`` on the command line, :mod:`sat_patches.cli.merge`).
+"""Merge a model-parallel LoRA checkpoint into one MP=1 checkpoint with the LoRA folded in (``sat-patches merge``).
 
-One process, no GPU: each tensor is read from the memory-mapped shards, the model-parallel slices
-are joined (ColumnParallel by stride, RowParallel by input, vocabulary by rows; LoRA's ``matrix_A``/
-``matrix_B`` by their own layouts) and ``W += scaling * B @ A`` is added in place in bounded chunks.
-Stock SAT has no such step: its ``mp_merge_model_rank0`` fails on LoRA checkpoints with unexpected
-keys and shape mismatches on ``matrix_A/B`` (THUDM/CogVLM#117, THUDM/CogVLM#451). The output is
-written to a temporary directory and renamed into place (:mod:`sat_patches.checkpoints.writer`): an
-existing OUTPUT_DIR is never overwritten unless ``--overwrite`` is given, and then only by a complete
-checkpoint.
-
-:func:`merge` raises :class:`MergeError` (a :class:`~sat_patches.checkpoints.files.CheckpointError`)
-for input it cannot merge; the command prints the message and exits non-zero.
+One process, no GPU: the model is built on meta, filled from the memory-mapped shards (model-parallel slices
+joined), LoRA folded in by SAT's ``merge_linear_lora``, and written atomically (:mod:`.writer`). Stock SAT's
+``mp_merge_model_rank0`` fails on LoRA checkpoints (THUDM/CogVLM#117, THUDM/CogVLM#451).
 """
 from __future__ import annotations
 
@@ -69,26 +60,22 @@ def fold_lora(model: torch.nn.Module, paths: List[str]) -> None:
         setattr(parent, name, lora2.merge_linear_lora(getattr(parent, name)))
 
 
-def _checkpoint_dtype(state: dict) -> torch.dtype:
-    for t in state.values():
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t.dtype
-    return torch.float32
+def float_dtype(tensors) -> torch.dtype:
+    """The dtype of the first floating-point tensor among ``tensors`` (a checkpoint's), else float32."""
+    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
 
 
 def model_class(name: str, imports=()):
     """The registered SAT model class ``name``; ``imports`` are modules that register it (upstream
     CogVLM's ``utils.models``); sat_patches' own CogVLM/CogAgent are tried last."""
-    for module in [*imports, "sat_patches.cogvlm.models"]:
+    for module in [*imports, "sat_patches.cogvlm.models", None]:
         try:
             return model_registry.get(name)
         except ValueError:
+            if module is None:
+                raise MergeError(f"model_class {name} (model_config.json) is not a registered SAT model: pass "
+                                 f"--import MODULE for the module that defines it") from None
             importlib.import_module(module)
-    try:
-        return model_registry.get(name)
-    except ValueError:
-        raise MergeError(f"model_class {name} (model_config.json) is not a registered SAT model: pass "
-                         f"--import MODULE for the module that defines it") from None
 
 
 def build_args(config: dict, dtype: torch.dtype, imports=()):
@@ -106,13 +93,6 @@ def build_args(config: dict, dtype: torch.dtype, imports=()):
         if not hasattr(args, key):
             setattr(args, key, value)
     return cls, args
-
-
-def write_checkpoint(model, config: dict, out_dir: str) -> None:
-    """Write the MP=1 checkpoint (iteration 1) atomically: a temporary sibling directory, fsynced,
-    renamed into place."""
-    with writer.new_checkpoint_dir(out_dir) as tmp:
-        writer.write_layout(tmp, 1, {0: {"module": model.state_dict(), "iteration": 1}}, config)
 
 
 def adapter_base(ckpt, checkpoint: str):
@@ -134,7 +114,7 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
         source = sharding.ShardedSource(ckpt)
     state = source.state[0]
     base = adapter_base(ckpt, checkpoint)  # an adapter-only save: its base's shards
-    dtype = _checkpoint_dtype(base.state[0] if base else state)
+    dtype = float_dtype((base.state[0] if base else state).values())
     cls, args = build_args(config, dtype, imports)
     _simple_init(model_parallel_size=1, seed=1)
     with construction.build_on("meta", dtype):
@@ -152,5 +132,6 @@ def merge(checkpoint: str, out_dir: str, lora_alpha: float = 1.0, iteration=None
     out_config = dict(config, model_parallel_size=1)
     if "use_lora" in out_config:
         out_config["use_lora"] = False
-    write_checkpoint(model, out_config, out_dir)
+    with writer.new_dir(out_dir, writer.publish_checkpoint_dir) as tmp:
+        writer.write_layout(tmp, 1, {0: {"module": model.state_dict(), "iteration": 1}}, out_config)
     return {"shards": ckpt.mp_size, "lora_layers": len(paths), "iteration": ckpt.iteration}

@@ -45,10 +45,8 @@ SIZE_LIMITS = {"num_layers": 4096, "hidden_size": 1 << 17, "num_attention_heads"
 
 
 def check_model_config(config, path: str, where: str = "") -> None:
-    """Types and ranges of the sizes a model is built from, before anything is allocated: each a
-    whole number from 1 to :data:`SIZE_LIMITS` (``inner_hidden_size`` and a few others may be null),
-    the heads dividing the hidden size, ``eva_args`` (the vision tower's config) a mapping checked
-    the same way."""
+    """Check the sizes a model is built from, before anything is allocated: whole numbers from 1 to
+    :data:`SIZE_LIMITS` (optional ones may be null), heads dividing the hidden size, ``eva_args`` the same way."""
     for key, limit in SIZE_LIMITS.items():
         value = config.get(key)
         if value is None and key not in REQUIRED_CONFIG:

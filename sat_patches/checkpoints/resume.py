@@ -34,10 +34,8 @@ _opened: dict = {}
 
 
 def _model_states(args) -> Optional[dict]:
-    """This rank's ``mp_rank_XX_model_states.pt`` of the checkpoint being resumed, memory-mapped (opened
-    once per resume: weights are not read); None (with a warning) when the checkpoint has another
-    model-parallel size than this run."""
-
+    """This rank's ``mp_rank_XX_model_states.pt`` of the checkpoint being resumed, mapped once per resume; None
+    (with a warning) when the checkpoint has another model-parallel size than this run."""
     key = (args.load, int(args.iteration))
     if key not in _opened:
         _opened.clear()
@@ -50,11 +48,6 @@ def _model_states(args) -> Optional[dict]:
         else:
             _opened[key] = ckpt.open(mpu.get_model_parallel_rank())
     return _opened[key]
-
-
-def close_resumed_states() -> None:
-    """Let go of the resumed checkpoint's memory-mapped states once everything is restored from them."""
-    _opened.clear()
 
 
 def save_optimizer_states(engine, save_dir: str, iteration) -> None:
@@ -125,9 +118,7 @@ SCHEDULE_KEYS = ("init_step", "auto_warmup_steps", "auto_warmup_rate")
 
 
 def restore_lr_schedule(scheduler, args) -> bool:
-    """Continue SAT's ``AnnealingLR`` where the stopped run left it. SAT instead rebuilds it as a
-    fresh run starting ``auto_warmup_steps`` (100) iterations before the loaded one, at 5% of the
-    rate for those 100 iterations (a re-warm for the optimizer states it did not restore)."""
+    """Continue SAT's ``AnnealingLR`` where the stopped run left it (SAT re-warms it from 100 iterations back)."""
     states = _model_states(args)
     saved = (states or {}).get("client_lr_scheduler") or {}
     if not all(k in saved for k in SCHEDULE_KEYS + ("num_iters",)):
@@ -139,15 +130,6 @@ def restore_lr_schedule(scheduler, args) -> bool:
         setattr(scheduler, key, saved[key])
     scheduler.step(saved["num_iters"])
     return True
-
-
-def restore_rng_states(args) -> None:
-    """Put back the random states saved with the checkpoint being resumed (SAT re-seeded them)."""
-    if getattr(args, "no_load_rng", False):
-        return
-    states = _model_states(args)
-    if states is not None:
-        restore_rng(states)
 
 
 class ResumableBatchSampler(torch.utils.data.BatchSampler):
@@ -196,14 +178,14 @@ class RestoreRngAfterIter:
 
 
 def train_restoring_rng(original, model, optimizer, lr_scheduler, train_data, val_data, timers, args, *a, **kw):
-    """SAT's ``train`` (sat/training/deepspeed_training.py; ``original``) of a resumed run: ``load_checkpoint``
-    restored the random states, but ``training_main`` then re-seeds every generator with ``--seed`` right
-    before ``train`` (dropout replays the first steps' masks). They are restored again from the checkpoint
-    once ``train`` has created its data iterators (:class:`RestoreRngAfterIter`)."""
+    """SAT's ``train`` (``original``); a resumed run's random states (re-seeded by ``training_main``) are restored
+    again from the checkpoint once ``train`` has created its data iterators (:class:`RestoreRngAfterIter`)."""
     if resuming(args):
         def restore():
-            restore_rng_states(args)
-            close_resumed_states()
+            states = None if getattr(args, "no_load_rng", False) else _model_states(args)
+            if states is not None:
+                restore_rng(states)
+            _opened.clear()  # the resumed checkpoint's mapped states: everything is restored from them
         if val_data is not None:
             val_data = RestoreRngAfterIter(val_data, restore)
         elif train_data is not None:

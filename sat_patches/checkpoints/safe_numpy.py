@@ -1,16 +1,9 @@
 """Checking stand-ins for the numpy globals a checkpoint may name (numpy's RNG state in SAT saves).
 
-Allow-listing numpy's own ``dtype``, ``ndarray`` and ``_reconstruct`` lets a file restore any dtype
-with any saved state: an object dtype whose flags say "holds no references" makes numpy read bytes
-of the file as object pointers (a crash; with a known address, worse). The unpickler is given these
-stand-ins under numpy's names instead. They build only
-
-* dtypes of plain numbers (bool, integers, floats, complex) from their type code and byte order,
-  refusing any other saved dtype state (fields, sub-arrays, flags);
-* arrays of such a dtype from a bytes buffer of exactly the size their shape needs (a copy).
-
-The unpickler leaves builders where numpy objects go; :func:`finish` swaps the built arrays and
-dtypes in (refusing a builder a file never completed).
+numpy's own ``dtype``/``ndarray``/``_reconstruct`` would restore any saved dtype state (an object dtype flagged
+as holding no references makes numpy read file bytes as pointers). These build only dtypes of plain numbers and
+arrays of them from a bytes buffer of exactly the size their shape needs; :func:`finish` swaps the built
+objects in for the builders the unpickler left.
 """
 from __future__ import annotations
 
@@ -117,15 +110,14 @@ class ArrayBuilder:
         return self.array
 
 
-def named(cls: type, full_name: str) -> type:
-    """``cls`` under numpy's ``module.name``, as torch's unpickler matches allowed globals by name."""
-    module, _, name = full_name.rpartition(".")
-    return type(name, (cls,), {"__module__": module, "__qualname__": name})
-
-
 def standins(names: Dict[str, type]) -> List[type]:
-    """One named stand-in per numpy global name (``{"numpy.dtype": DTypeBuilder, ...}``)."""
-    return [named(cls, full) for full, cls in names.items()]
+    """Each stand-in of ``{"numpy.dtype": DTypeBuilder, ...}`` under numpy's ``module.name`` (a subclass), as
+    torch's unpickler matches allowed globals by name."""
+    out = []
+    for full, cls in names.items():
+        module, _, name = full.rpartition(".")
+        out.append(type(name, (cls,), {"__module__": module, "__qualname__": name}))
+    return out
 
 
 def _finish_one(obj, seen: Dict[int, Any]):

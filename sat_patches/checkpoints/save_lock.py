@@ -1,17 +1,12 @@
-"""One run saving into a checkpoint folder at a time.
-
-Two runs given the same ``--save`` folder would stage their saves under the same name and publish a
-checkpoint mixing both runs' shards. The first save of a run takes ``<save>/.saving.lock`` (created
-exclusively; it names the holder's host, process id and run token); a second run finds it and is
-refused while the holder lives. A lock whose holder process on this host is gone (a run that was
-killed) is taken over with a warning; a lock held from another host cannot be checked from here and
-is refused, naming the file to delete once that run has ended. The lock is released when the
-process that holds it exits.
+"""One run saving into a checkpoint folder at a time: the first save of a run takes ``<save>/.saving.lock``
+(created exclusively, naming the holder's host, process id and run token). A second run is refused while the
+holder lives; a lock whose holder on this host is gone is taken over with a warning; one held from another host
+is refused, naming the file to delete. The lock is released when its process exits.
 """
 from __future__ import annotations
 
 import atexit
-import errno
+import contextlib
 import json
 import os
 import re
@@ -28,19 +23,13 @@ class SaveLockError(RuntimeError):
     """Another live run is saving into the same folder."""
 
 
-def run_token() -> str:
-    """This process's name in lock files and staging folders: host and process id."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -71,7 +60,8 @@ def acquire(folder: str) -> str:
     """Hold ``folder``'s save lock for this process (again, if it holds it already); its run token.
     :class:`SaveLockError` while another live run holds it."""
     path = os.path.join(folder, LOCK_NAME)
-    token = run_token()
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    token = f"{host}-{os.getpid()}"  # this process's name in the lock and the staging folder
     record = {"host": socket.gethostname(), "pid": os.getpid(), "token": token}
     for _ in range(3):
         if _create(path, record):
@@ -96,16 +86,13 @@ def acquire(folder: str) -> str:
 
 def _remove_if(path: str, holder: Dict) -> None:
     if _read(path) == holder:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
 
 
-def release(folder: str, token: Optional[str] = None) -> None:
+def release(folder: str, token: str) -> None:
     """Give ``folder``'s save lock back, if this process (``token``) holds it."""
     path = os.path.join(folder, LOCK_NAME)
     holder = _read(path)
-    if holder and holder.get("token") == (token or run_token()):
+    if holder and holder.get("token") == token:
         _remove_if(path, holder)

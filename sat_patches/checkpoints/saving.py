@@ -1,4 +1,5 @@
-"""SAT's checkpoint saves, made to work on CPU runs, to save only a LoRA run's adapters, and to be atomic.
+"""SAT's checkpoint saves, made to work on CPU runs, to save only a LoRA run's adapters, and to be atomic (staged,
+then published by one rename once every model-parallel shard is there).
 
 Each function takes the place of (or wraps, given as ``original``) one function of ``sat/training/model_io.py``.
 SAT functions that other patches replace are looked up through their module (``model_io.<name>``) at call time.
@@ -20,19 +21,60 @@ from sat.training import model_io  # save_ds_checkpoint_no_optim looked up at ca
 from ..core.coordination import store_gather
 from ..runtime.devices import compute_device
 from . import adapter, save_lock
-from .publish import CheckpointSaveError, publish, staging_dir, sweep_stale_staging
+from .files import CheckpointError, find_checkpoint, missing_optimizer_shards
 from .state import model_parallel_rng_tracker
-from .writer import fsync_tree
+from .writer import fsync_tree, replace_dir, write_text_atomic
 
+STAGING_PREFIX = ".saving-"
 _saves = [0]  # saves this process has made (names the exchange of each save's staging folder)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that could not start (another run saving into the folder, a folder that cannot be written)."""
+
+
+def staging_dir(save: str, iteration, token: str = "") -> str:
+    """Where one run stages its save of ``iteration``: ``<save>/.saving-<N>-<run token>``."""
+    return os.path.join(save, f"{STAGING_PREFIX}{iteration}" + (f"-{token}" if token else ""))
+
+
+def sweep_stale_staging(save: str, keep: str) -> None:
+    """Remove the staging folders of earlier saves (crashed, killed, or stopped by a full disk) except
+    ``keep``: called by the run that holds the folder's save lock, so no live save owns them."""
+    for entry in os.listdir(save):
+        path = os.path.join(save, entry)
+        if entry.startswith(STAGING_PREFIX) and path != keep and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(staged: str, save: str, world_size: int = 1, mp_size: int = 1) -> None:
+    """Move a staged save (``<N>`` directories, ``model_config.json``, ``latest``) into ``save``:
+    each directory fsynced and put in place with one rename, then ``model_config.json``, then
+    ``latest`` last. Only a complete save is published: every model-parallel shard, and when the
+    save holds ZeRO optimizer shards, one for every data-parallel and model-parallel rank; else
+    :class:`CheckpointError` names what is missing and ``save`` keeps its previous checkpoint."""
+    ckpt = find_checkpoint(staged)  # every MP shard present and not truncated
+    folder = os.path.dirname(ckpt.files[0])
+    missing = missing_optimizer_shards(folder, max(world_size // mp_size, 1), mp_size)
+    if missing:
+        raise CheckpointError(f"the save of iteration {ckpt.iteration} lacks {', '.join(missing)} in {folder}: not "
+                              f"published; '{save}' keeps its previous checkpoint")
+    for entry in sorted(os.listdir(staged)):
+        src = os.path.join(staged, entry)
+        if os.path.isdir(src):
+            replace_dir(src, os.path.join(save, entry))
+    config = os.path.join(staged, "model_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            write_text_atomic(os.path.join(save, "model_config.json"), f.read())
+    with open(os.path.join(staged, "latest")) as f:
+        write_text_atomic(os.path.join(save, "latest"), f.read().strip())
+    shutil.rmtree(staged, ignore_errors=True)
+
+
 def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> None:
-    """SAT's ``save_ds_checkpoint`` (sat/training/model_io.py) calls ``torch.cuda.get_rng_state()`` on every
-    save (CPU runs fail unless ``--no-save-rng``), and leaves out the model-parallel RNG tracker's states,
-    which SAT's ``load_checkpoint`` restores but its save never wrote (a resumed CUDA run re-drew its
-    attention-dropout masks). Here the CUDA state is saved only where the device is CUDA, and the tracker's
-    states are saved too."""
+    """SAT's ``save_ds_checkpoint``, saving the CUDA random state only where the device is CUDA, and the
+    model-parallel RNG tracker's states, which SAT's ``load_checkpoint`` restores."""
     sd = {"iteration": iteration}
     if lr_scheduler is not None:
         sd["client_lr_scheduler"] = lr_scheduler.state_dict()
@@ -50,11 +92,8 @@ def save_ds_checkpoint(iteration, model, lr_scheduler, args, use_ema=False) -> N
 
 
 def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save_latest=True):  # noqa: B006
-    """SAT's ``save_ds_checkpoint_no_optim`` (sat/training/model_io.py) has DeepSpeed write the whole model
-    into every save (~35 GB for CogVLM at MP=1, THUDM/CogVLM#303, THUDM/CogVideo#244), though a LoRA run
-    trains megabytes of it. When :func:`~sat_patches.checkpoints.adapter.adapter_only` says so, ``original``
-    (SAT's function) runs with DeepSpeed asked for the trained parameters only (``exclude_frozen_parameters``),
-    and ``adapter.json`` beside the shards names the base checkpoint the model was loaded from."""
+    """SAT's ``save_ds_checkpoint_no_optim`` (``original``); when :func:`.adapter.adapter_only` says so, with
+    DeepSpeed asked for the trained parameters only and ``adapter.json`` naming the base checkpoint."""
     module = getattr(model, "module", model)
     if model.zero_optimization_partition_weights() or not adapter.adapter_only(module):
         return original(model, save_dir, tag, client_state=client_state, save_latest=save_latest)
@@ -70,10 +109,9 @@ def save_adapter_only(original, model, save_dir, tag=None, client_state={}, save
 
 
 def save_checkpoint_staged(original, iteration, model, optimizer, lr_scheduler, args) -> None:
-    """SAT's ``save_checkpoint`` (sat/training/model_io.py; ``original``), staged in ``<save>/.saving-<N>-<run>``
-    and published by one rename on rank 0. Stock SAT writes shards and ``latest`` in place: a rank killed
-    mid-save, as the kill -9 of THUDM/CogVLM#283 and THUDM/CogVLM#320 during a save, leaves no checkpoint to
-    resume from. Without ``args.save`` or a process group, SAT's own save."""
+    """SAT's ``save_checkpoint`` (``original``): rank 0 takes the folder's save lock; every rank saves into
+    ``<save>/.saving-<N>-<run>`` and fsyncs it; rank 0 publishes it (:func:`publish`). Without
+    ``args.save`` or a process group, SAT's own save."""
     save = getattr(args, "save", None)
     if not save or not dist.is_initialized():
         return original(iteration, model, optimizer, lr_scheduler, args)

@@ -1,19 +1,10 @@
 """How checkpoint tensors are split across model-parallel ranks, and copied out of mapped shard files.
 
-* Checkpoint files are opened with ``torch.load(mmap=True)``: nothing is read until a tensor is
-  copied, and each tensor is copied in chunks of at most :data:`CHUNK_BYTES`, converted to the
-  model's dtype on the way, straight into the parameter on its device; the pages of the mapped file
-  a chunk touched are released after it (``madvise(MADV_DONTNEED)``), so a rank's peak is its own
-  share of the model plus one chunk.
-* Where the compute device is the CPU, a tensor the rank uses whole, in the model's dtype, is not
-  copied at all: the parameter is the mapped file's tensor (:meth:`ShardedSource.materialised`;
-  ``SAT_PATCHES_LOAD_ZERO_COPY=0`` copies every tensor).
-* Any model-parallel size loads from any other: every rank reads only its own slice of each split
-  tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B by
-  :func:`lora_factor_split`, the rule :mod:`sat_patches.lora.layer` builds its layers by) from the
-  mapped shard files. Nothing is built in full and nothing is sent
-  between ranks. A split tensor this module cannot place stops the load with a message naming
-  :data:`MERGE_COMMAND`.
+Checkpoint files are opened with ``torch.load(mmap=True)``. Each rank reads only its own slice of each
+split tensor (Column/Row/VocabParallel, ColumnParallel ``stride`` blocks of a fused QKV, LoRA A/B by
+:func:`lora_factor_split`), in chunks of at most :data:`CHUNK_BYTES` whose mapped pages are released after
+they are copied, so any model-parallel size loads from any other. On the CPU a tensor used whole, in the
+model's dtype, is not copied: the parameter is the mapped file's (``SAT_PATCHES_LOAD_ZERO_COPY=0`` copies).
 """
 from __future__ import annotations
 
@@ -33,18 +24,7 @@ from .lora_names import FACTOR_A, FACTOR_B, factor_key
 CHUNK_BYTES = int(settings.read("SAT_PATCHES_LOAD_CHUNK_MB") * 2**20)
 """Largest piece of a checkpoint tensor read at once (``SAT_PATCHES_LOAD_CHUNK_MB``, default 64)."""
 MERGE_COMMAND = "python -m sat_patches merge"
-ZERO_COPY = "SAT_PATCHES_LOAD_ZERO_COPY"
 
-
-def zero_copy() -> bool:
-    """Whether CPU tensors may be lent from the mapped checkpoint instead of copied (``SAT_PATCHES_LOAD_ZERO_COPY``:
-    unset or 1, yes; 0, every tensor is copied into new memory)."""
-    return settings.read(ZERO_COPY)
-
-
-# --------------------------------------------------------------------------------------
-# How tensors are split across model-parallel ranks
-# --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Split:
@@ -54,29 +34,15 @@ class Split:
     blocks: Tuple[int, ...] = (1,)
 
 
-SplitRule = Callable[[torch.nn.Module, str, str], Optional[Split]]
-_split_rules: List[SplitRule] = []
-
-
-def register_split_rule(rule: SplitRule) -> SplitRule:
-    """Teach the loader a split: ``rule(model, key, name)`` returns a :class:`Split`, ``"replicated"``
-    or None (not mine). ``key`` is the state-dict key, ``name`` the tensor's attribute name."""
-    _split_rules.append(rule)
-    return rule
-
-
-def _strides(stride) -> Tuple[int, ...]:
-    return (1,) * stride if isinstance(stride, int) else tuple(stride)
-
-
 def split_of(model: torch.nn.Module, key: str, owner: torch.nn.Module, name: str):
     """The :class:`Split` of ``owner.<name>`` (state-dict ``key``), or None when every rank holds it whole."""
-    for rule in _split_rules:
-        found = rule(model, key, name)
-        if found is not None:
-            return None if found == "replicated" else found
+    factor = factor_key(key)
+    if factor is not None:  # LoRA's matrix_A.i/matrix_B.i: by their layer's base
+        layer = model.get_submodule(factor.layer)
+        return lora_factor_split(getattr(layer, "kind", None) or parallel_kind(layer.original), factor.factor)
     if isinstance(owner, ColumnParallelLinear) and name in ("weight", "bias"):
-        return Split(0, _strides(owner.stride))
+        stride = owner.stride
+        return Split(0, (1,) * stride if isinstance(stride, int) else tuple(stride))
     if isinstance(owner, RowParallelLinear) and name == "weight":
         return Split(1)
     if isinstance(owner, VocabParallelEmbedding) and name == "weight":
@@ -98,27 +64,14 @@ def parallel_kind(layer: torch.nn.Module) -> str:
 
 
 def lora_factor_split(kind: str, factor: str) -> Optional[Split]:
-    """How LoRA's ``factor`` ("matrix_A", r x in; "matrix_B", out x r) of a layer whose base is of
-    parallel ``kind`` is split across model-parallel ranks; None when every rank holds it whole.
-
-    A follows the base's input: split by columns under a row-parallel base. B follows the base's
-    output: split by rows under a column-parallel base."""
+    """How LoRA's ``factor`` of a layer whose base is of parallel ``kind`` is split across model-parallel ranks
+    (None: whole on every rank). A (r x in) follows the base's input: split by columns under a row-parallel
+    base; B (out x r) its output: split by rows under a column-parallel base."""
     if factor == FACTOR_A:
         return Split(1) if kind == ROW else None
     if factor == FACTOR_B:
         return Split(0) if kind == COLUMN else None
     raise ValueError(f"LoRA factor must be {FACTOR_A!r} or {FACTOR_B!r}, not {factor!r}")
-
-
-@register_split_rule
-def _lora_rule(model, key, name):
-    """LoRA ``matrix_A.i``/``matrix_B.i``: :func:`lora_factor_split` of their layer's base."""
-    found = factor_key(key)
-    if found is None:
-        return None
-    layer = model.get_submodule(found.layer)
-    kind = getattr(layer, "kind", None) or parallel_kind(layer.original)
-    return lora_factor_split(kind, found.factor) or "replicated"
 
 
 def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> List[Tuple[int, int, int, int]]:
@@ -145,20 +98,8 @@ def _pieces(split: Split, src_len: int, n_src: int, n_dst: int, rank: int) -> Li
     return pieces
 
 
-# --------------------------------------------------------------------------------------
-# Copying out of mapped files
-# --------------------------------------------------------------------------------------
-
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _MADV_DONTNEED = 4
-
-
-def _inner_pages(view: torch.Tensor) -> Tuple[int, int]:
-    """(start, end) addresses of the pages that lie wholly inside the bytes ``view`` spans."""
-    extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
-    start, end = view.data_ptr(), view.data_ptr() + extent * view.element_size()
-    page = mmap.PAGESIZE
-    return -(-start // page) * page, end // page * page
 
 
 def release_pages(view: torch.Tensor) -> None:
@@ -168,7 +109,10 @@ def release_pages(view: torch.Tensor) -> None:
     Only for tensors of a mapped file."""
     if _libc is None or view.numel() == 0:
         return
-    start, end = _inner_pages(view)
+    extent = sum((s - 1) * st for s, st in zip(view.shape, view.stride())) + 1
+    page = mmap.PAGESIZE
+    start = -(-view.data_ptr() // page) * page
+    end = (view.data_ptr() + extent * view.element_size()) // page * page
     if end > start:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
@@ -200,7 +144,7 @@ class ShardedSource:
         self.used: set = set()
         self.mapped_storages = {t.untyped_storage().data_ptr() for sd in self.state for t in sd.values()
                                 if isinstance(t, torch.Tensor)}
-        self.lending = zero_copy()
+        self.lending = settings.read("SAT_PATCHES_LOAD_ZERO_COPY")
         self.lent: set = set()  # mapped storages a tensor of the model now is: their pages are never released
 
     @property
@@ -244,14 +188,11 @@ class ShardedSource:
                               f"'{self.ckpt.path}' (MP={self.ckpt.mp_size}), {tuple(like.shape)} in the model "
                               f"at MP={self.size}: model_config.json and the checkpoint disagree")
 
-    def copy_into(self, key: str, dst: torch.Tensor, split) -> None:
-        """Copy this rank's slice of ``key`` into ``dst`` (converted to its dtype), a chunk at a time."""
-        self._fill(dst, self.pieces(key, dst, split))
-
-    def _fill(self, dst: torch.Tensor, parts) -> None:
-        """Copy :meth:`pieces` ``parts`` into ``dst``, releasing the mapped pages of each chunk copied."""
+    def copy_into(self, key: str, dst: torch.Tensor, split, parts=None) -> None:
+        """Copy this rank's slice of ``key`` (its :meth:`pieces`, unless given) into ``dst`` (converted to its
+        dtype), a chunk at a time, releasing the mapped pages of each chunk copied."""
         with torch.no_grad():
-            for index, src in parts:
+            for index, src in parts or self.pieces(key, dst, split):
                 _copy(dst[index], src, self.release)
 
     def release(self, view: torch.Tensor) -> None:
@@ -264,26 +205,20 @@ class ShardedSource:
         """This rank's slice of ``key`` as a tensor of ``like``'s shape and dtype on ``device``: lent
         where it can be (:meth:`_lendable`), else new memory filled a chunk at a time.
 
-        A lent tensor IS the mapped file's: nothing is read or allocated now (its pages fault in from
-        the page cache when first used), and ranks on one node share those pages. ``torch.load(mmap=True)``
-        maps the file ``MAP_PRIVATE`` (:func:`sat_patches.checkpoints.safe_load.load`): a write (training)
-        makes private copy-on-write pages, the file never changes. A file replaced by rename (as
-        sat_patches' saves publish) stays valid while mapped; one truncated in place under a live
-        mapping would make the parameters fault (SIGBUS) when touched, one rewritten in place would
-        change the values of pages not yet written."""
+        A lent tensor IS the mapped file's (mapped ``MAP_PRIVATE`` by :func:`.safe_load.load`: a write makes
+        private copy-on-write pages, the file never changes); ranks on one node share its pages."""
         parts = self.pieces(key, like, split)
         if lend and self._lendable(parts, like, device):
             src = parts[0][1]
             self.lent.add(src.untyped_storage().data_ptr())
             return src.detach()
         out = torch.empty(like.shape, dtype=like.dtype, device=device)
-        self._fill(out, parts)
+        self.copy_into(key, out, split, parts)
         return out
 
     def _lendable(self, parts, like: torch.Tensor, device: torch.device) -> bool:
-        """Can the model's tensor be the mapped one: zero copy is on (:func:`zero_copy`), the device is
-        the CPU, the slice is one whole saved tensor of ``like``'s dtype, contiguous, in a storage not
-        lent yet (two parameters must not alias)."""
+        """Can the model's tensor be the mapped one: zero copy on, the CPU, one whole saved tensor of ``like``'s
+        dtype, contiguous, in a storage not lent yet (two parameters must not alias)."""
         if not (self.lending and device.type == "cpu" and len(parts) == 1 and parts[0][0] == ()):
             return False
         src = parts[0][1]

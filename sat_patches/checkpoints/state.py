@@ -1,10 +1,6 @@
 """Loading a checkpoint's state into a model: in place, or by assignment where the model is still on
 meta, each rank reading only its own slices of the memory-mapped shards
-(:class:`~sat_patches.checkpoints.sharding.ShardedSource`; on the CPU a tensor assigned whole is the
-mapped file's own, not a copy); and the random states a checkpoint saved.
-
-Used by :mod:`sat_patches.checkpoints.loading` (SAT's ``load_checkpoint``/``from_pretrained``), by
-:mod:`sat_patches.checkpoints.resume` and by ``python -m sat_patches merge``.
+(:class:`~sat_patches.checkpoints.sharding.ShardedSource`); and the random states a checkpoint saved.
 """
 from __future__ import annotations
 
@@ -99,11 +95,10 @@ def _resolve(model: torch.nn.Module, key: str):
 
 def load_state(model: torch.nn.Module, source: ShardedSource, after=None,
                lend=True) -> Tuple[List[str], List[str]]:
-    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment
-    where a tensor is still on meta (attributes such as ``model_parallel`` are kept), the assigned
-    tensor lent from the mapped file where it can be (:meth:`ShardedSource.materialised`; ``lend``
-    False copies every one, a callable ``lend(module)`` decides per module). ``after(module, prefix)``,
-    when given, runs as each module is complete (its children loaded). Returns (missing_keys, unexpected_keys)."""
+    """Fill ``model`` from ``source`` like ``load_state_dict(strict=False)``: in place, or by assignment where a
+    tensor is still on meta, lent from the mapped file where ``lend`` (or ``lend(module)``) allows
+    (:meth:`ShardedSource.materialised`). ``after(module, prefix)`` runs as each module is complete.
+    Returns (missing_keys, unexpected_keys)."""
     missing, unexpected, errors = [], [], []
     # id(meta tensor) -> (it, its replacement): shared (tied) tensors are loaded once. The replacement
     # by weak reference: a layer converted as it is loaded (QLoRA's NF4) frees its float weights at once
@@ -189,25 +184,20 @@ def _materialise_lora_factors(layer: torch.nn.Module, device: torch.device) -> N
         layer.reset_lora_parameters()
 
 
-def _lora_factor_over_plain(key: str, keys) -> bool:
-    """``key`` is LoRA's ``matrix_A.i``/``matrix_B.i`` of a layer the checkpoint holds without LoRA."""
-    found = factor_key(key)
-    return found is not None and found.layer + ".weight" in keys
-
-
 def meta_tensors(model: torch.nn.Module) -> List[str]:
     return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
 
 
-def _model_parallel() -> Tuple[int, int]:
-    if dist.is_initialized() and mpu.model_parallel_is_initialized():
-        return mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
-    return 0, 1
+def model_parallel_in_use() -> bool:
+    """Whether torch.distributed and SAT's model-parallel groups are set up in this process."""
+    return dist.is_initialized() and mpu.model_parallel_is_initialized()
 
 
 def open_source(ckpt: Checkpoint, prefix: str = "") -> ShardedSource:
     """Map ``ckpt``'s shards for this rank's model-parallel rank and size."""
-    rank, size = _model_parallel()
+    in_use = model_parallel_in_use()
+    rank = mpu.get_model_parallel_rank() if in_use else 0
+    size = mpu.get_model_parallel_world_size() if in_use else 1
     with stage(f"opening {ckpt.mp_size} shard(s) of '{ckpt.path}' iteration {ckpt.iteration}"):
         return ShardedSource(ckpt, prefix, rank, size)
 
@@ -220,8 +210,9 @@ def fills_every_tensor(model: torch.nn.Module, keys: ShardedSource) -> bool:
             key = prefix + name
             if key not in keys and key.endswith(".original." + name):  # a LoRA base over a plain checkpoint
                 key = key[:-len("original." + name)] + name
-            if t.is_meta and key not in keys and _lora_factor_over_plain(key, keys):
-                continue  # initialised when its layer loads
+            factor = factor_key(key)
+            if t.is_meta and key not in keys and factor is not None and factor.layer + ".weight" in keys:
+                continue  # LoRA over a layer the checkpoint holds without it: initialised when its layer loads
             if t.is_meta and (_hooked(module) or not persistent or key not in keys):
                 return False
     return True
@@ -246,9 +237,7 @@ def check_config_fits_files(model: torch.nn.Module, ckpt) -> None:
 
 
 def model_parallel_rng_tracker():
-    """The model-parallel RNG tracker SAT forks for attention dropout (DeepSpeed's
-    ``CudaRNGStatesTracker``, as ``sat.mpu.get_cuda_rng_tracker()``), or None where SAT has none (no
-    CUDA at its import: ``sat.mpu.get_cuda_rng_tracker`` is None)."""
+    """SAT's model-parallel RNG tracker for attention dropout, or None where SAT has none (no CUDA at its import)."""
     get = getattr(mpu, "get_cuda_rng_tracker", None)
     return get() if get is not None else None
 

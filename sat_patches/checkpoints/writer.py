@@ -1,14 +1,6 @@
-"""Writing SAT checkpoint directories so that a crash never leaves a half-written one in place.
-
-A checkpoint directory (``model_config.json``, ``latest``, ``<iteration>/mp_rank_XX_model_states.pt``)
-is written into a temporary sibling (:func:`staging_dir_for`), every file and directory in it is
-fsynced, and one rename puts it under its final name (an atomic exchange when that name exists, see
-:func:`replace_dir`); the parent directory is fsynced last. Until the rename a reader sees the old
-directory, whole; what the user had there is removed only once the new one is complete. Single
-files (``latest``, ``model_config.json``) are replaced the same way (:func:`write_text_atomic`).
-
-Used by the atomic checkpoint save (:mod:`sat_patches.checkpoints.publish`), by
-``python -m sat_patches merge`` and by :func:`sat_patches.cogvlm.config.save_pretrained_dir`.
+"""Writing SAT checkpoint directories so that a crash never leaves a half-written one in place: written into a
+temporary sibling (:func:`staging_dir_for`), every file fsynced, put in place by one rename (:func:`replace_dir`);
+single files are replaced the same way (:func:`write_text_atomic`).
 """
 from __future__ import annotations
 
@@ -157,16 +149,16 @@ def publish_checkpoint_dir(staged: str, final: str) -> None:
 
 
 @contextlib.contextmanager
-def new_checkpoint_dir(final: str) -> Iterator[str]:
-    """``with new_checkpoint_dir(final) as tmp:`` write a checkpoint into ``tmp``; when the block ends
-    normally and ``tmp`` holds a complete checkpoint it replaces ``final`` (:func:`replace_dir`). On an
-    error the staged files are removed and ``final`` is left as it was."""
+def new_dir(final: str, publish=replace_dir) -> Iterator[str]:
+    """``with new_dir(final) as tmp:`` fill ``tmp``; when the block ends normally ``publish(tmp, final)``
+    puts it in place (:func:`publish_checkpoint_dir` for a checkpoint); on an error the staged files are
+    removed and ``final`` is left as it was."""
     tmp = staging_dir_for(final)
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
         yield tmp
-        publish_checkpoint_dir(tmp, final)
+        publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

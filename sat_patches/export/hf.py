@@ -1,19 +1,10 @@
-"""SAT checkpoint -> Hugging Face folder of CogVLM / CogAgent (``sat-patches export hf CKPT OUT``).
+"""SAT checkpoint -> Hugging Face folder of CogVLM / CogAgent (``sat-patches export hf CKPT OUT``; asked for in
+THUDM/CogVLM#439, #415, #241, #302).
 
-People asked for it in THUDM/CogVLM#439 (CogAgent: no script), #415, #241 (a maintainer's sketch: MP=1
-CogVLM only) and #302 (that sketch fails on LoRA's ``query_key_value.original.weight``). Any checkpoint
-:class:`~sat_patches.export.source.SatCheckpoint` reads (model-parallel shards, unmerged LoRA folded in,
-an adapter-only save with its base) becomes the layout of ``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf``:
-``config.json``, ``generation_config.json``, ``model-0000i-of-0000n.safetensors`` shards and
-``model.safetensors.index.json``. ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
-finds the model's own code in one of two ways: without ``hf_code`` the ``auto_map`` of ``config.json`` names
-the released hub repository's files (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``: fetched by
-transformers when it loads); with ``hf_code`` the ``.py`` files are copied from the user's local copy of the
-hub repository and ``auto_map`` names them in the folder, so it loads offline.
-
-Streamed: one tensor at a time from the memory-mapped shards into the shard file being written (the
-pages it read are dropped after), so host memory stays near the largest tensor, never the model. The
-folder is staged beside OUT and renamed into place whole.
+Any checkpoint :class:`~sat_patches.export.source.SatCheckpoint` reads becomes the layout of
+``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf`` (``config.json``, ``generation_config.json``, safetensors shards
+and their index), streamed one tensor at a time. ``config.json``'s ``auto_map`` names the released hub
+repository's code, or with ``hf_code`` the ``.py`` files copied from the user's local copy of it (loads offline).
 """
 from __future__ import annotations
 
@@ -24,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoints import writer
 from . import names, stream
 from .source import ExportError, SatCheckpoint
 
@@ -59,10 +51,9 @@ def export_hf(checkpoint: str, out: str, iteration: Optional[int] = None, lora_a
     src = SatCheckpoint(checkpoint, iteration, lora_alpha)
     code = check_hf_code(hf_code, src.config["model_class"]) if hf_code else []
     layers = src.config["num_layers"]
-    dtypes = {k: src.saved(k).dtype for k in src.keys()}
-    items = sorted(((hf, tuple(src.like[sat].shape), dtypes[sat]) for hf, sat in names.hf_items(src.keys(), layers)),
+    to_sat = dict(names.hf_items(src.keys(), layers))
+    items = sorted(((hf, tuple(src.like[sat].shape), src.saved(sat).dtype) for hf, sat in to_sat.items()),
                    key=lambda item: _natural(item[0]))
-    to_sat = dict((hf, sat) for hf, sat in names.hf_items(src.keys(), layers))
     shards = stream.shard_plan(items, max_shard_bytes)
     n = len(shards)
     weight_map, total = {}, 0
@@ -73,7 +64,7 @@ def export_hf(checkpoint: str, out: str, iteration: Optional[int] = None, lora_a
         t = src.tensor(to_sat[hf_name])
         return t.clone() if to_sat[hf_name] == names.INV_FREQ else t
 
-    with stream.new_folder(out, overwrite) as tmp:
+    with writer.new_dir(out) as tmp:
         for i, plan in enumerate(shards, 1):
             file = f"model-{i:05d}-of-{n:05d}.safetensors"
             total += stream.write_safetensors(os.path.join(tmp, file), plan, produce, src.release)

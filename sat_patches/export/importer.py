@@ -1,11 +1,6 @@
-"""Hugging Face folder of CogVLM / CogAgent -> SAT checkpoint (``sat-patches import hf HF_DIR OUT --mp N``).
-
-The reverse of :mod:`sat_patches.export.hf`, asked for starting a SAT fine-tune from the HF download many
-users already have (THUDM/CogVLM2#123 asks it for CogVLM2). The output is SAT's layout at model-parallel
-size N (``model_config.json``, ``latest``, ``1/mp_rank_XX_model_states.pt``) that ``from_pretrained`` and
-the finetune scripts load (``MODEL_TYPE=OUT``). The safetensors shards are read through a memory mapping
-(nothing is unpickled); every name, shape and shard is checked against the model of ``config.json``
-before anything is written, and OUT is written in a staging folder and renamed into place whole.
+"""Hugging Face folder of CogVLM / CogAgent -> SAT checkpoint (``sat-patches import hf HF_DIR OUT --mp N``;
+THUDM/CogVLM2#123). The safetensors shards are memory-mapped (nothing is unpickled); every name, shape and shard
+is checked against the model of ``config.json`` before anything is written.
 """
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ import torch
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 
 from ..checkpoints import sharding, writer
-from ..checkpoints.files import CheckpointError
 from ..checkpoints.model_config import check_model_config
 from . import names, stream
 from .source import ExportError, build_meta
@@ -45,15 +39,13 @@ def shard_files(hf_dir: str) -> Dict[str, str]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ExportError(f"'{index}' has no weight_map: download it again")
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        weight_map = None
+        header = stream.read_header(os.path.join(hf_dir, "model.safetensors"))
+        return {k: "model.safetensors" for k in header if not k.startswith("__")}
     else:
         bins = [f for f in os.listdir(hf_dir) if f.endswith(".bin")]
         hint = (f" (it holds {', '.join(sorted(bins)[:3])}: pickled weights are not read; convert them with "
                 f"transformers' save_pretrained(safe_serialization=True) first)") if bins else ""
         raise ExportError(f"'{hf_dir}' has neither model.safetensors.index.json nor model.safetensors{hint}")
-    if weight_map is None:
-        header = stream.read_header(os.path.join(hf_dir, "model.safetensors"))
-        return {k: "model.safetensors" for k in header if not k.startswith("__")}
     missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, f))})
     if missing:
         raise ExportError(f"'{hf_dir}' lacks shard(s) {', '.join(missing)} named by model.safetensors.index.json: "
@@ -70,12 +62,6 @@ def rank_piece(full: torch.Tensor, split, mp: int, rank: int) -> torch.Tensor:
     return torch.cat([full.narrow(d, start, n) for _, _, start, n in pieces], dim=d).clone()
 
 
-def rotary_inv_freq(config: dict) -> torch.Tensor:
-    """The rotary ``inv_freq`` buffer SAT builds for ``config`` (its own ``FastRotaryEmbedding``, fp32)."""
-    dim = config["hidden_size"] // config["num_attention_heads"]
-    return FastRotaryEmbedding(dim, pos_idx_in_fp32=False, device="cpu").inv_freq
-
-
 def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> dict:
     """Write the SAT checkpoint of the HF folder ``hf_dir`` at ``out`` (model-parallel size ``mp``)."""
     if os.path.exists(out) and not overwrite:
@@ -87,12 +73,10 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
                     "model-*.safetensors) of CogVLM or CogAgent")
     try:
         config = names.sat_config(hf, mp)
-        check_model_config(config, os.path.join(hf_dir, "config.json"))
     except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
         raise ExportError(f"'{hf_dir}/config.json' is not a CogVLM/CogAgent configuration ({exc!r}): pass the "
                           f"folder of THUDM/cogvlm-*-hf or cogagent-*-hf, or of `sat-patches export hf`") from exc
+    check_model_config(config, os.path.join(hf_dir, "config.json"))
     located = shard_files(hf_dir)
     headers = {f: stream.read_header(os.path.join(hf_dir, f)) for f in sorted(set(located.values()))}
     unknown = [n for n in located if n not in headers[located[n]]]
@@ -107,19 +91,19 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
         try:
             key = names.sat_name(name)
         except names.UnknownKeyError:
+            key = None
+        if key in like:
+            by_sat.setdefault(key, []).append(name)
+        else:
             bad.append(name)
-            continue
-        if key not in like:
-            bad.append(name)
-            continue
-        by_sat.setdefault(key, []).append(name)
     if bad:
         raise ExportError(f"'{hf_dir}': {len(bad)} tensor(s) that {config['model_class']} of its config.json does "
                           f"not have, e.g. {bad[:5]}: not this model, or config.json does not describe it; nothing "
                           f"was written")
     computed = {}
-    if names.INV_FREQ in like and names.INV_FREQ not in by_sat:  # a checkpoint saved without the rotary buffers
-        computed[names.INV_FREQ] = rotary_inv_freq(config)
+    if names.INV_FREQ in like and names.INV_FREQ not in by_sat:  # saved without the rotary buffers: SAT's own
+        dim = config["hidden_size"] // config["num_attention_heads"]
+        computed[names.INV_FREQ] = FastRotaryEmbedding(dim, pos_idx_in_fp32=False, device="cpu").inv_freq
         by_sat[names.INV_FREQ] = []
     missing = [k for k in like if k not in by_sat]
     layers = config["num_layers"]
@@ -155,7 +139,7 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
                               f"keeps one for the model")
         return tensors[0]
 
-    with writer.new_checkpoint_dir(out) as tmp:   # staged, renamed into place once complete
+    with writer.new_dir(out, writer.publish_checkpoint_dir) as tmp:   # staged, renamed into place once complete
         for rank in range(mp):
             module = {key: rank_piece(full(key), splits[key], mp, rank) for key in like}
             writer.write_layout(tmp, 1, {rank: {"module": module, "iteration": 1}}, latest=False)

@@ -1,11 +1,5 @@
-"""The language model of an exported CogVLM / CogAgent folder as a plain LLaMA: transformers'
-``LlamaForCausalLM`` names for the language-expert weights, and its config.
-
-For text-only input every token is a language token, so CogVLM's language path is LLaMA's: the exported
-``language_expert_*`` weights in ``LlamaForCausalLM`` give the CogVLM model's text-only logits. That is a check
-of the export (the fused qkv split, the rotary convention, the norms' epsilon) against a library nobody here
-wrote, and a way to serve the fine-tuned language model alone. Plain tensors in, plain tensors out: transformers
-itself is the caller's.
+"""The language model of an exported CogVLM / CogAgent folder as transformers' ``LlamaForCausalLM`` (state dict
+and config): for text-only input CogVLM's language path is LLaMA's.
 """
 from __future__ import annotations
 

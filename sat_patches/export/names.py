@@ -1,12 +1,6 @@
-"""SAT <-> Hugging Face names of CogVLM and CogAgent, and their ``config.json``.
-
-The Hugging Face layout is the one of the released ``THUDM/cogvlm-chat-hf`` / ``cogagent-chat-hf`` folders
-(their own remote code: ``CogVLMForCausalLM`` / ``CogAgentForCausalLM``). Every tensor keeps its shape and
-its values: SAT's fused ``query_key_value`` is HF's ``*_expert_query_key_value`` as it is ([q|k|v] thirds,
-heads contiguous in each, rotate-half rotary on both sides). The one name that is not one-to-one is the
-rotary ``inv_freq`` buffer: SAT keeps one for the model, HF one per layer (the same values).
-
-Needs neither torch nor SAT.
+"""SAT <-> Hugging Face names of CogVLM and CogAgent (the layout of ``THUDM/cogvlm-chat-hf`` /
+``cogagent-chat-hf``), and their ``config.json``. Every tensor keeps its shape and values; only the rotary
+``inv_freq`` buffer is not one-to-one (SAT keeps one for the model, HF one per layer). Needs neither torch nor SAT.
 """
 from __future__ import annotations
 
@@ -120,19 +114,9 @@ def hf_names(sat_key: str, num_layers: int) -> List[str]:
     return [hf_name(sat_key)]
 
 
-# --------------------------------------------------------------------------------------
-# config.json <-> model_config.json
-# --------------------------------------------------------------------------------------
-
-def _template(config: dict) -> str:
-    return "chat" if config.get("text_processor_version") == "chat" else "base"
-
-
 def auto_map(model_class: str, local_code: bool) -> dict:
     """``config.json``'s ``auto_map``: with ``local_code`` the released one (the code's files sit in the folder);
-    without, each class in transformers' hub-reference form ``"<repository>--<module>.<Class>"``
-    (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``), which ``trust_remote_code`` reads as code taken
-    from that repository, so a folder without the ``.py`` files still loads where the hub can be reached."""
+    without, in transformers' hub-reference form (``THUDM/cogvlm-chat-hf--modeling_cogvlm.CogVLMForCausalLM``)."""
     if local_code:
         return dict(AUTO_MAP[model_class])
     return {auto: f"{HUB_REPOS[model_class]}--{ref}" for auto, ref in AUTO_MAP[model_class].items()}
@@ -155,7 +139,8 @@ def hf_config(config: dict, torch_dtype: str, local_code: bool = False) -> dict:
         "intermediate_size": config["inner_hidden_size"], "max_position_embeddings": config["max_sequence_length"],
         "num_attention_heads": config["num_attention_heads"], "num_hidden_layers": config["num_layers"],
         "rms_norm_eps": config.get("layernorm_epsilon", SAT_DEFAULT_EPS),
-        "template_version": _template(config), "tie_word_embeddings": False, "torch_dtype": torch_dtype,
+        "template_version": "chat" if config.get("text_processor_version") == "chat" else "base",
+        "tie_word_embeddings": False, "torch_dtype": torch_dtype,
         "use_cache": True, "vocab_size": config["vocab_size"],
         "vision_config": {
             "dropout_prob": 0.0, "hidden_act": "gelu", "in_channels": eva.get("in_channels", 3),
@@ -194,16 +179,13 @@ def sat_config(hf: dict, mp: int) -> dict:
     out.update(num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
                vocab_size=hf["vocab_size"], layernorm_order="pre", model_parallel_size=mp,
                max_sequence_length=hf.get("max_position_embeddings", 2048))
+    out.update(use_bias=False, inner_hidden_size=hf["intermediate_size"], image_length=(image // patch) ** 2)
     if cls == "CogAgentModel":
         encoder = hf.get("cross_vision_config") or {}
-        out.update(is_decoder=[True] * layers, cross_attn_hidden_size=hf["cross_hidden_size"])
-    out.update(use_bias=False, inner_hidden_size=hf["intermediate_size"])
-    if cls == "CogAgentModel":
-        out.update(cross_hidden_size_per_attention_head=hf["cross_compute_hidden_size"] // heads,
-                   encoder_args={k: v for k, v in encoder.items() if EVA_CLIP_L_DEFAULTS.get(k) != v})
-    out["image_length"] = (image // patch) ** 2
-    if cls == "CogAgentModel":
-        out["cross_image_pix"] = hf["cross_image_size"]
+        out.update(is_decoder=[True] * layers, cross_attn_hidden_size=hf["cross_hidden_size"],
+                   cross_hidden_size_per_attention_head=hf["cross_compute_hidden_size"] // heads,
+                   encoder_args={k: v for k, v in encoder.items() if EVA_CLIP_L_DEFAULTS.get(k) != v},
+                   cross_image_pix=hf["cross_image_size"])
     out["eva_args"] = eva
     out.update(bos_token_id=hf.get("bos_token_id", 1), eos_token_id=hf.get("eos_token_id", 2),
                pad_token_id=hf.get("pad_token_id", 0), layernorm_epsilon=hf.get("rms_norm_eps", 1e-6))

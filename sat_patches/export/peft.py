@@ -7,10 +7,6 @@ lora_alpha / r``. On HF's fused ``language_expert_query_key_value`` the same upd
 so ``B @ A`` is ``B_i @ A_i`` in block i and nothing across blocks. PEFT scales by ``lora_alpha / rank``,
 so the fused layers get ``lora_alpha * partition`` (``alpha_pattern``) beside their rank (``rank_pattern``):
 the update to every weight is SAT's exactly.
-
-Output: ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's names:
-``base_model.model.<HF module>.lora_A.weight`` / ``lora_B.weight``), for the folder ``export hf`` writes
-from the adapter's base.
 """
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..checkpoints import writer
 from . import names, stream
 from .source import ExportError, Lora, SatCheckpoint
 
@@ -67,7 +64,7 @@ def export_peft(checkpoint: str, out: str, iteration: Optional[int] = None, lora
         "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
     }
     plan = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-    with stream.new_folder(out, overwrite) as tmp:
+    with writer.new_dir(out) as tmp:
         stream.write_safetensors(os.path.join(tmp, "adapter_model.safetensors"), plan, tensors.__getitem__)
         stream.write_json(os.path.join(tmp, "adapter_config.json"), config)
     return {"layers": len(targets), "rank": r, "fused": len(ranks)}

@@ -1,12 +1,9 @@
 """A CogVLM/CogAgent SAT checkpoint read tensor by tensor, checked whole before anything is written.
 
-:class:`SatCheckpoint` opens any checkpoint this package reads (model-parallel shards, LoRA merged or not,
-an adapter-only save with its base) through the safe loader, memory-mapped, and builds the model of its
-``model_config.json`` on meta: that gives every tensor's full shape and model-parallel split. Opening
-refuses, before any output exists, a model that is not CogVLM/CogAgent, a key the model does not have
-(or one it lacks), a tensor whose shape disagrees with the config. :meth:`SatCheckpoint.tensor` then gives
-one full-size (MP=1) tensor at a time, LoRA folded in (``W += scaling * B_i @ A_i`` per stacked part, the
-arithmetic of ``python -m sat_patches merge``), a view of the mapped file where nothing needs joining.
+:class:`SatCheckpoint` opens any checkpoint this package reads (model-parallel shards, LoRA merged or not, an
+adapter-only save with its base), memory-mapped, with the model of its ``model_config.json`` built on meta for
+every tensor's full shape and split. :meth:`SatCheckpoint.tensor` gives one full-size (MP=1) tensor at a time,
+LoRA folded in.
 """
 from __future__ import annotations
 
@@ -19,14 +16,12 @@ import torch
 
 from ..checkpoints import files, sharding
 from ..checkpoints.files import CheckpointError
+from ..checkpoints.lora_names import factor_key
 from ..checkpoints.model_config import read_model_config
 from ..cogvlm.on_meta import build_on_meta
 from ..lora.layer import add_lora_product
-from ..checkpoints.merge import adapter_base
+from ..checkpoints.merge import adapter_base, float_dtype
 from . import names
-
-_LORA = re.compile(r"^(?P<path>.+)\.matrix_(?P<factor>[AB])\.(?P<index>\d+)$")
-
 
 class ExportError(CheckpointError):
     """A checkpoint or folder that cannot be exported or imported as asked; says what to change."""
@@ -43,11 +38,6 @@ class Lora:
     @property
     def rank(self) -> int:
         return self.A[0].shape[0]
-
-
-def canonical(key: str) -> str:
-    """A SAT key without LoRA's ``.original`` (``x.original.weight`` is the base layer's ``x.weight``)."""
-    return key.replace(".original.", ".")
 
 
 def build_meta(config: dict, where: str = "model_config.json") -> torch.nn.Module:
@@ -79,19 +69,18 @@ class SatCheckpoint:
         self.loras: Dict[str, List[str]] = {}
         self._check()
 
-    # -- checks, all before anything is written ------------------------------------------------
     def _check(self) -> None:
         unknown = []
         for source in [s for s in (self.own, self.base) if s is not None]:
             for key in source.keys():
-                m = _LORA.match(key)
-                if m:
+                factor = factor_key(key)
+                if factor:
                     if source is not self.own:
                         raise ExportError(f"{self.path}: its base {self.base.ckpt.path} holds LoRA matrices ('{key}'): "
                                           f"merge the base first (python -m sat_patches merge) and train from that")
-                    self.loras.setdefault(m.group("path"), []).append(key)
+                    self.loras.setdefault(factor.layer, []).append(key)
                     continue
-                name = canonical(key)
+                name = key.replace(".original.", ".")   # LoRA's x.original.weight is the base layer's x.weight
                 if name not in self.like:
                     unknown.append(key)
                 elif name not in self._where:           # the adapter's own save first, then its base
@@ -125,7 +114,6 @@ class SatCheckpoint:
             raise ExportError(f"{self.path}: vision experts in layers {sorted(have)} of {layers}; the Hugging Face "
                               f"layout has them in every layer (build with all layers in vision_layer_range)")
 
-    # -- reading -------------------------------------------------------------------------------
     def split(self, name: str):
         path, _, attr = name.rpartition(".")
         return sharding.split_of(self.model, name, self.model.get_submodule(path), attr)
@@ -135,12 +123,7 @@ class SatCheckpoint:
         return list(self.like)
 
     def dtype(self) -> torch.dtype:
-        for name in self.keys():
-            source, key = self._where[name]
-            t = source.state[0][key]
-            if t.is_floating_point():
-                return t.dtype
-        return torch.float32
+        return float_dtype(map(self.saved, self.keys()))
 
     def saved(self, name: str) -> torch.Tensor:
         """The tensor as shard 0 holds it (for its dtype)."""
@@ -151,8 +134,6 @@ class SatCheckpoint:
         """The full-size tensor as saved (a view of the mapped file when it is one piece), LoRA not folded."""
         source, key = self._where[name]
         like = torch.empty(self.like[name].shape, dtype=source.state[0][key].dtype, device="meta")
-        # one saved tensor: a view of the mapped file; joined from shards: new memory, filled a chunk at a
-        # time with the mapped pages of each chunk dropped after it
         return source.materialised(key, like, self.split(name), torch.device("cpu"))
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -1,24 +1,17 @@
-"""safetensors files written one tensor at a time, and output folders published whole.
-
-A safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
-offsets) and the tensors' bytes. The header needs only shapes and dtypes, so :func:`write_safetensors`
-writes it first and then each tensor as it is produced: host memory holds one tensor, never the file.
-The file is written under a temporary name, fsynced and renamed (:func:`sat_patches.checkpoints.writer`
-publishes the folder that holds it with one more rename).
+"""safetensors files written one tensor at a time (the header, which needs only shapes and dtypes, first:
+host memory holds one tensor, never the file), and read through a private memory mapping.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import mmap
 import os
-import shutil
 import struct
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-from ..checkpoints import writer
 from .source import ExportError
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -27,19 +20,15 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def write_safetensors(path: str, plan: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
-                      produce: Callable[[str], torch.Tensor], done: Callable[[torch.Tensor], None] = lambda t: None,
-                      metadata=None) -> int:
+                      produce: Callable[[str], torch.Tensor], done: Callable[[torch.Tensor], None] = lambda t: None) -> int:
     """Write ``plan`` (``(name, shape, dtype)`` in file order) to ``path``: ``produce(name)`` gives each
     tensor when its turn comes (checked against the plan), ``done(tensor)`` runs after its bytes are
     written. Returns the bytes of tensor data."""
-    header, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, 0
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype in plan:
         size = nbytes(shape, dtype)
         header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
@@ -77,24 +66,6 @@ def shard_plan(items: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]], max_by
         shards[-1].append(item)
         size += n
     return shards
-
-
-@contextlib.contextmanager
-def new_folder(final: str, overwrite: bool = False) -> Iterator[str]:
-    """``with new_folder(OUT) as tmp:`` fill ``tmp``; when the block ends normally it becomes ``OUT`` in
-    one rename (an existing ``OUT`` only with ``overwrite``, swapped out whole); on an error nothing of it
-    stays and ``OUT`` is as it was."""
-    if os.path.exists(final) and not overwrite:
-        raise ExportError(f"{final} exists; choose a new output folder or pass --overwrite")
-    tmp = writer.staging_dir_for(final)
-    os.makedirs(os.path.dirname(tmp), exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        writer.replace_dir(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_json(path: str, obj) -> None:
@@ -141,7 +112,7 @@ def mapped_tensors(path: str, header: dict) -> dict:
         if dtype is None:
             raise ExportError(f"'{path}': {name} has dtype {info['dtype']}, which is not a weight dtype here")
         begin, end = info["data_offsets"]
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        count = (end - begin) // dtype.itemsize
         t = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + begin) if count else \
             torch.empty(0, dtype=dtype)
         out[name] = t.reshape(info["shape"])

@@ -1,25 +1,5 @@
-"""Checkpoints load with little host memory, rank-locally, at any model-parallel size.
-
-What SwissArmyTransformer 0.4.12 does: ``load_checkpoint`` ``torch.load``s the whole file into RAM
-on every rank; ``from_pretrained(..., overwrite_args={'model_parallel_size': n})`` makes the node's
-rank 0 build the full MP=1 model on CPU, load the whole checkpoint into it and ``.cuda()`` + ``send``
-every partition (THUDM/SwissArmyTransformer#173, THUDM/CogVLM#283, #320, #162); it mutates the
-caller's ``args`` and ``overwrite_args``; from an MP=N checkpoint to MP=N it raises
-"model_parallel_size is inconsistent" (THUDM/CogVLM#233).
-
-Here (this module: the patches; :mod:`sat_patches.checkpoints.loading`: SAT's entry points;
-:mod:`sat_patches.checkpoints.state` loads a checkpoint's state into a model):
-
-* :mod:`sat_patches.checkpoints.files` checks the checkpoint directory and ``model_config.json``
-  before the model is built; :mod:`sat_patches.checkpoints.sharding` reads each rank's own slices, in chunks,
-  from the memory-mapped shard files, at any model-parallel size.
-* ``from_pretrained`` builds the model on meta (no memory, no init) and materialises it from the
-  checkpoint by assignment; when the checkpoint cannot fill every tensor (new mixins), it builds on
-  the compute device instead (initialised, as SAT does) and loads into it.
-* Ranks meet behind :mod:`sat_patches.core.coordination`'s barriers, which have a timeout;
-  ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node and ``experiment_name``
-  is decided on rank 0 (THUDM/CogVLM#269: per-rank timestamps split one run's checkpoints across
-  directories).
+"""Checkpoints load rank-locally from memory-mapped files at any model-parallel size
+(:mod:`sat_patches.checkpoints.loading`), and one run's ranks share its ``experiment_name``.
 """
 from __future__ import annotations
 
@@ -50,10 +30,6 @@ def _initialize_model_parallel(original):
     return initialize_model_parallel
 
 
-def _shared_start_clock(original):
-    return SharedStartClock(original)
-
-
 def _expect_datetime_class(original):
     return None if original is datetime.datetime else f"it is {original!r}, not the datetime class"
 
@@ -82,7 +58,7 @@ PATCHES = [
           answers="THUDM/SwissArmyTransformer#173, CogVLM's finetune_demo: LOCAL_WORLD_SIZE=8 from .deepspeed_env "
                   "on a 2-GPU box leaves SAT's node groups empty ('node group is not initialized')",
           expect=expect_names("environ", "_NODE_GROUP", "new_group")),
-    Patch("shared_experiment_start", "sat.training.deepspeed_training:datetime", _shared_start_clock,
+    Patch("shared_experiment_start", "sat.training.deepspeed_training:datetime", SharedStartClock,
           answers="THUDM/CogVLM#269: SAT's training module reads the clock of each rank for experiment_name; "
                   "it gets a clock whose first now() in training_main is rank 0's start time",
           expect=_expect_datetime_class),

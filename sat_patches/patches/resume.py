@@ -1,37 +1,6 @@
-"""Exact resume: a run stopped after a checkpoint and continued with
-``--mode pretrain --load <run>`` gives the losses the uninterrupted run would have given.
-
-What SwissArmyTransformer 0.4.12 loses on resume (``sat/training``), each answered by one patch here:
-
-* ``resume_optimizer_save`` / ``resume_optimizer_load`` -- the optimizer. ``save_ds_checkpoint_no_optim``
-  writes no ZeRO optimizer shards and ``load_checkpoint`` says "only load module": Adam's moments (and
-  the ZeRO/bf16 fp32 master weights) start from zero, so the first resumed steps jump. Now every rank
-  writes DeepSpeed's own ``*_optim_states.pt`` shard beside SAT's model states, and after DeepSpeed
-  is set up the optimizer is loaded from it, fp32 master weights included (SAT's bundled ZeRO configs
-  say ``load_from_fp32_weights: false``, which would round them through bf16); without ZeRO, from the
-  ``optimizer`` entry DeepSpeed already keeps in ``mp_rank_XX_model_states.pt``. The model weights
-  are not read a second time.
-* ``resume_lr_schedule_state`` / ``resume_lr_schedule`` -- the learning rate. SAT rebuilds a resumed
-  run's ``AnnealingLR`` as a new one starting 100 iterations back at 5% of the rate (its re-warm for
-  the optimizer it did not restore); ``AnnealingLR.state_dict`` now records where the warm-up began,
-  and the resumed schedule continues from the saved one.
-* ``resume_rng`` -- the random states. ``load_checkpoint`` restores them, but ``training_main`` then
-  re-seeds every generator with ``--seed`` right before ``train``: dropout replays the first steps'
-  masks. They are restored again from the checkpoint once ``train`` has created its data iterators
-  (each draws a seed from torch's generator, as it did at the start of the stopped run).
-* ``resume_data_position`` -- the data order. ``--resume-dataloader`` sets ``batch_sampler.start_iter``,
-  which only SAT's ``DistributedBatchSampler`` reads; with one data-parallel rank (e.g. MP=2 on 2 GPUs,
-  CogVLM's model-parallel set-up) the loader has a plain ``BatchSampler`` and silently starts from the
-  first batch again. Every training loader now honours ``start_iter``, and resuming sets
-  ``resume_dataloader`` (a continued run is meant to continue, not to re-read its first batches).
-
-* ``resume_iteration_arg`` -- which iteration. SAT resumes from the iteration named in ``latest`` only;
-  ``--iteration N`` (with ``--load <run>``) resumes from the saved ``<run>/N`` instead, just as exactly.
-
-ZeRO-3 runs keep SAT's own save and load. Exactness assumes the same world size, model-parallel size and batch settings as the stopped run
-(DeepSpeed refuses a ZeRO checkpoint of another data-parallel size with its own message), and a
-checkpoint saved without ``--no-save-rng``. A checkpoint written by stock SAT has no optimizer shards:
-the optimizer then starts fresh, with a warning.
+"""Exact resume: a run continued with ``--mode pretrain --load <run>`` gives the losses the uninterrupted run
+would have given (optimizer shards, learning-rate schedule, random states, data position:
+:mod:`sat_patches.checkpoints.resume`). ZeRO-3 runs keep SAT's own save and load.
 """
 from __future__ import annotations
 

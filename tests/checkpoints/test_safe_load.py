@@ -91,13 +91,6 @@ def test_from_pretrained_at_mp2_refuses_on_every_rank(tmp_path):
     assert not os.path.exists(marker)
 
 
-def test_untrusted_old_torch_cannot_check_and_says_so(tmp_path, monkeypatch):
-    torch.save({"module": {}}, tmp_path / "f.pt")
-    monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint")
-    with pytest.raises(safe_load.UnsafeCheckpointError, match="upgrade torch, or set SAT_PATCHES_TRUST_CHECKPOINTS=1"):
-        safe_load.load(str(tmp_path / "f.pt"))
-
-
 def test_an_fp16_zero_shards_dynamic_loss_scaler_loads_safely_and_only_because_it_is_allowed(tmp_path, monkeypatch):
     """fp16 ZeRO optimizer shards pickle DeepSpeed's ``DynamicLossScaler`` (the state resume needs); built here
     directly, since DeepSpeed trains fp16 on CPU ranks only where the CPU has AVX512-FP16."""

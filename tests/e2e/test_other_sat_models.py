@@ -98,8 +98,9 @@ def test_qlora_in_the_constructor_loads_as_nf4_with_bitsandbytes_bits(base, monk
     from sat_patches.lora import layer as lora
     from sat_patches.lora import qlora
     built = []
-    real_build = loading._build
-    monkeypatch.setattr(loading, "_build", lambda *a, on_meta: built.append(on_meta) or real_build(*a, on_meta=on_meta))
+    real_meta, real_get = loading._build_on_meta, loading.get_model
+    monkeypatch.setattr(loading, "_build_on_meta", lambda *a: built.append(True) or real_meta(*a))
+    monkeypatch.setattr(loading, "get_model", lambda *a, **kw: built.append(False) or real_get(*a, **kw))
     cls = scripts.FineTuneChatGLM2
     args = cls.get_args(**scripts.CONFIG, use_qlora=True, lora_rank=4, device="cpu")
     model, _ = cls.from_pretrained(base, args, overwrite_args={"model_parallel_size": 1})

@@ -91,7 +91,7 @@ def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
 def test_publish_replaces_existing_iteration_atomically(tmp_path):
     """Re-saving an existing iteration (SAT's final save) swaps the directory; latest written last."""
     import torch
-    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.saving import publish
     from sat_patches.checkpoints.loading import find_checkpoint
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     for d, value in ((save / "4", 1.0), (staged / "4", 2.0)):
@@ -107,7 +107,7 @@ def test_publish_replaces_existing_iteration_atomically(tmp_path):
 
 def test_publish_refuses_incomplete_staging(tmp_path):
     import torch
-    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.saving import publish
     from sat_patches.checkpoints.loading import CheckpointError
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
@@ -130,7 +130,7 @@ def test_publish_needs_every_shard_of_every_rank(tmp_path, lacking, message):
     cut short): nothing is published, the previous checkpoint stays the one 'latest' names."""
     import json
     import torch
-    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.saving import publish
     from sat_patches.checkpoints.loading import CheckpointError
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
@@ -154,7 +154,7 @@ def test_publish_needs_every_shard_of_every_rank(tmp_path, lacking, message):
 
 def test_every_staged_file_and_directory_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
     import torch
-    from sat_patches.checkpoints.publish import publish
+    from sat_patches.checkpoints.saving import publish
     save, staged = tmp_path / "run", tmp_path / "run" / ".saving-4"
     (staged / "4").mkdir(parents=True)
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
