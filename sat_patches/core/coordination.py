@@ -1,14 +1,5 @@
-"""Ranks coordinating: the process group's store, stages, barriers with a timeout, node ranks, and
-what a failed collective's error says happened.
-
-* :func:`group_store` is the default process group's key-value store, through which ranks exchange
-  small values without tensors (whatever backends the group has).
-* Ranks meet behind a barrier with a timeout (``SAT_PATCHES_LOAD_TIMEOUT`` seconds, default 1800)
-  whose message names the stage each late rank is at.
-* ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node (SAT's node groups are
-  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box).
-* :func:`error_kinds` reads a torch.distributed error (gloo, NCCL, c10d store) as a timeout, a lost
-  peer or a missing backend, for the patches that react to each.
+"""Ranks coordinating through the process group's store: stages, barriers with a timeout naming where late
+ranks are, node ranks and ``LOCAL_WORLD_SIZE``, and what a failed collective's error says happened.
 """
 from __future__ import annotations
 
@@ -60,10 +51,8 @@ _ERROR_TEXTS = {  # lower-case pieces of the messages of gloo, NCCL and torch.di
 
 
 def error_kinds(exc: BaseException) -> FrozenSet[str]:
-    """What a failed collective or store call says happened: any of :data:`TIMED_OUT` (gloo's "Timed
-    out", NCCL's watchdog), :data:`PEER_LOST` (a closed or reset socket, an NCCL error, any c10d
-    ``DistError``: what a dead peer causes) and :data:`NO_BACKEND` (the group has no backend for a
-    tensor's device). Empty for an error of this rank's own."""
+    """What a failed collective or store call says happened: :data:`TIMED_OUT`, :data:`PEER_LOST` (also any
+    c10d ``DistError``), :data:`NO_BACKEND`; empty for an error of this rank's own."""
     text = str(exc).lower()
     kinds = {kind for kind, texts in _ERROR_TEXTS.items() if any(t in text for t in texts)}
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -124,8 +113,7 @@ def _stage_of(store, rank: int) -> str:
 
 
 def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
-    """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
-    so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
+    """Every rank's ``value`` (rank order), exchanged through the store (no tensors: any backend)."""
     store = group_store()
     if store is None:
         return [value]

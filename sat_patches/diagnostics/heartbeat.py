@@ -1,15 +1,9 @@
 """Dead ranks named: a heartbeat per rank in the process group's store.
 
-A rank SIGKILLed (host OOM, as in THUDM/CogVLM#283 and THUDM/CogVLM#320) leaves the others waiting in a
-collective for NCCL's/gloo's timeout (30 min by default), or failing with "Connection closed by peer"
-that names nobody. :class:`Heartbeat` (started by the patch ``rank_heartbeat`` on ``training_main``) is a
-thread per rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
-``timeout / 10`` s and watches every peer's counter. A peer silent for ``SAT_PATCHES_HEARTBEAT_TIMEOUT``
-seconds (default 300) makes this rank print "rank N stopped (no heartbeat for X s)", dump its stacks and
-exit with :data:`sat_patches.diagnostics.watchdog.EXIT_CODE` (through
-:func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
-answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main`` marks
-itself done, so a normal end is not mistaken for a death.
+A SIGKILLed rank (host OOM: THUDM/CogVLM#283, #320) leaves the others in a collective until its timeout. Each
+rank's :class:`Heartbeat` thread bumps its counter every ``timeout / 10`` s and watches its peers'; a peer silent
+for ``SAT_PATCHES_HEARTBEAT_TIMEOUT`` s (default 300) ends the run through :func:`watchdog.fire`. A rank that
+finishes marks itself done.
 """
 from __future__ import annotations
 
