@@ -1,10 +1,5 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``, ``merge``, ``evaluate``,
-``finetune``, ``export``, ``import``.
-
-Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
-this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
-(which looks at torch, CUDA and the patches) import them when they run, as do ``merge``, ``evaluate``,
-``finetune`` and ``export`` (each also ``python -m sat_patches <verb>``).
+"""``sat-patches`` command line. Each subcommand's module adds its parser (``add_parser``); importing this
+module imports neither torch nor SAT (the subcommands import them when they run).
 """
 from __future__ import annotations
 
