@@ -95,8 +95,7 @@ class Heartbeat:
                 self.fire(reason)
 
     def fire(self, reason: str) -> None:
-        """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
-        dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
+        """End the run on this rank for ``reason`` through :func:`hangs.fire`."""
         hangs.fire(reason, threading.main_thread().ident, leader=True)
 
     def wait_for_dead(self) -> Optional[str]:
@@ -127,16 +126,13 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
 
 
 def lost_peer(exc: BaseException) -> bool:
-    """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
-    a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
+    """A failure that a dead peer can cause (worth waiting a few beats to name it)."""
     return PEER_LOST in error_kinds(exc)
 
 
 def training_main_with_heartbeat(original, args, *a, **kw):
-    """SAT's ``training_main`` (sat/training/deepspeed_training.py; ``original``), with this rank's heartbeat
-    running: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed (THUDM/CogVLM#283,
-    THUDM/CogVLM#320: kill -9, "training stops with no clear error"). A collective that fails with a lost peer
-    waits a few beats to name the dead rank; a normal end marks this rank done."""
+    """SAT's ``training_main`` with this rank's heartbeat running (THUDM/CogVLM#283, #320: a SIGKILLed rank
+    leaves the others waiting, unnamed); a collective failing with a lost peer waits a few beats to name it."""
     heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
     hb = fenced.HEARTBEAT.run(start_heartbeat)
     try:
