@@ -12,7 +12,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 from . import settings
 
@@ -151,7 +151,3 @@ def serve_standins() -> None:
     for name, (patch, _, _) in STANDINS.items():
         if not disabled(patch):
             HOOK.serve(name)
-
-
-def served(name: str) -> Optional[str]:
-    return HOOK.serving.get(name)

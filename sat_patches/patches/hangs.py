@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names
+from ..core.registry import Patch, delegate, expect_names
 from ..diagnostics.watchdog import enable_nccl_flight_recorder, in_sat_call, start_watchdog
 
 
 def _watched(name: str):
-    """A SAT function that runs collectives, recorded as "SAT's ``name``" while it runs; its collectives'
-    timeouts end the run on every rank (:func:`sat_patches.diagnostics.watchdog.in_sat_call`)."""
-    def make(original):
-        @functools.wraps(original)
-        def watched(*args, **kwargs):
-            return in_sat_call(name, original, *args, **kwargs)
-        return watched
-    return make
+    """A SAT function that runs collectives, recorded as "SAT's ``name``" while it runs (:func:`in_sat_call`)."""
+    return delegate(functools.partial(in_sat_call, name))
 
 
 def _initialize_distributed(original):
