@@ -15,12 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import settings
 
 MARKER = "__sat_patches__"
-VERIFIED_SAT = "0.4.12"
-"""The SwissArmyTransformer release every patch's gate was written against."""
-
-
-IN_ORDER = ("applied", "not needed", "disabled", "waiting")
-"""Statuses that are no fault: ``waiting`` is a patch of a module not imported yet (a CogVLM fork's model code)."""
+VERIFIED_SAT = "0.4.12"  # the SwissArmyTransformer release every patch's gate was written against
+IN_ORDER = ("applied", "not needed", "disabled", "waiting")  # statuses that are no fault
 
 
 class SatPatchesWarning(UserWarning):
@@ -237,8 +233,7 @@ class Registry:
             self.patches.append(p)
 
     def declare_stacks(self, stacks: Dict[str, List[str]]) -> None:
-        """Declare, for each shared target, the order of its patches (innermost first). Every target
-        that several registered patches share must be declared, with exactly those patches."""
+        """Declare, for each target several patches share, the order of exactly those patches (innermost first)."""
         by_target: Dict[str, List[str]] = {}
         for p in self.patches:
             by_target.setdefault(p.target, []).append(p.name)
@@ -290,8 +285,7 @@ class Registry:
             p.restore()
 
     def restore(self, names) -> List[Patch]:
-        """Restore the named patches. Patches applied later on the same target wrap them: those come
-        off first and go back on (over the originals) afterwards. Returns the restored patches."""
+        """Restore the named patches (later ones on the same target come off first and go back on after)."""
         chosen = [self.get(n) for n in names]
         first = {}
         for p in chosen:

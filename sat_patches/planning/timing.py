@@ -50,9 +50,7 @@ def card(name: Optional[str] = None, tflops: Optional[float] = None,
     return nearest, f"assumed from {memory_gb:g} GB"
 
 
-# --------------------------------------------------------------------------------------
-# Rules the memory estimate reads too
-# --------------------------------------------------------------------------------------
+# rules the memory estimate reads too
 def eva_skip_layers(skip: int, layers: int, eva_layers: int) -> int:
     """EVA layers left out of checkpointing when ``skip`` of the language model's ``layers`` are: the same
     share, rounded down, and at most all but one (SAT's bound on ``checkpoint_skip_layers``)."""
@@ -74,9 +72,7 @@ def eva_trains(c: dict, s) -> bool:
     return bool(c.get("eva_args")) and (s.lora_eva and not s.qlora and s.lora_rank > 0 or s.train == "demo")
 
 
-# --------------------------------------------------------------------------------------
 # FLOP and seconds
-# --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Passes:
     """Forward FLOP of one sample through each part, and the part's layer count."""
