@@ -8,18 +8,15 @@ import sys
 
 from . import doctor, evaluate, export, finetune, merge, plan, report, scripts, status
 
-# (name, function that adds the subparser)
-COMMANDS = [("status", status.add_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
-            ("report", report.add_parser), ("scripts", scripts.add_parser), ("merge", merge.add_parser),
-            ("evaluate", evaluate.add_parser), ("finetune", finetune.add_parser), ("export", export.add_parser)]
+COMMANDS = (status, doctor, plan, report, scripts, merge, evaluate, finetune, export)  # each adds its subparser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sat-patches", description="multi-GPU CogVLM / CogAgent fine-tuning on SAT: "
                                      "check, plan, write the scripts, train, merge, evaluate, export")
     sub = parser.add_subparsers(dest="command", required=True)
-    for _, add in COMMANDS:
-        add(sub)
+    for command in COMMANDS:
+        command.add_parser(sub)
     return parser
 
 

@@ -29,8 +29,7 @@ _barriers = 0
 
 
 def group_store(single_rank_too: bool = False):
-    """The default process group's store, or None: no process group (not initialised, or destroyed)
-    and, unless ``single_rank_too``, a group of one rank (no other rank to exchange anything with)."""
+    """The default process group's store; None without a group or (unless ``single_rank_too``) with one rank."""
     try:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -62,8 +61,7 @@ def error_kinds(exc: BaseException) -> FrozenSet[str]:
 
 @contextlib.contextmanager
 def stage(name: str):
-    """Announce what this rank is doing (``with stage("reading ...")``) so that a rank waiting at a
-    :func:`barrier` can say where the late ones are."""
+    """Announce what this rank is doing, for the messages of a rank waiting at a :func:`barrier`."""
     store = group_store()
     if store is not None:
         store.set(f"sat_patches/stage/{dist.get_rank()}", f"{time.time()}|{name}")
@@ -71,8 +69,7 @@ def stage(name: str):
 
 
 def barrier(name: str, timeout: Optional[float] = None) -> None:
-    """Wait until every rank reached this point, at most ``timeout`` seconds (default
-    ``SAT_PATCHES_LOAD_TIMEOUT``); then raise :class:`LoadTimeout` naming each late rank's stage."""
+    """Wait for every rank, at most ``timeout`` s (``SAT_PATCHES_LOAD_TIMEOUT``), else :class:`LoadTimeout`."""
     global _barriers
     store = group_store()
     if store is None:
@@ -139,8 +136,7 @@ def node_ranks() -> List[int]:
 
 
 def check_local_world_size() -> Optional[int]:
-    """Set ``LOCAL_WORLD_SIZE`` to the number of ranks really on this node, with a warning when the
-    environment says otherwise (SAT builds its node groups from it). Returns the size it checked."""
+    """Set ``LOCAL_WORLD_SIZE`` (SAT's node groups) to the ranks really on this node, warning where it differed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = node_ranks()

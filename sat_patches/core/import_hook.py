@@ -147,7 +147,7 @@ def disabled(name: str) -> bool:
 
 
 def serve_standins() -> None:
-    """At ``import sat_patches``: serve each stand-in that is not disabled and whose real module is absent."""
+    """Serve each stand-in that is not disabled and whose real module is absent."""
     for name, (patch, _, _) in STANDINS.items():
         if not disabled(patch):
             HOOK.serve(name)

@@ -21,7 +21,6 @@ class OnImportPatch(Patch):
         return super()._owner_and_attr()
 
     def current(self):
-        """The target as it is now; None while its module is not imported."""
         return super().current() if self.module_name in sys.modules else None
 
     def apply(self, force: bool = False, aliases=None) -> None:

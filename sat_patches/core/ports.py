@@ -3,8 +3,7 @@ import random
 import socket
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-SPAN = 12000
-"""How many ports below the kernel's ephemeral range are candidates."""
+SPAN = 12000  # how many ports below the kernel's ephemeral range are candidates
 
 
 def ephemeral_range():

@@ -55,8 +55,7 @@ class Heartbeat:
             pass
 
     def dead(self, silence: Optional[float] = None) -> Optional[str]:
-        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None. The first
-        answer is kept: once the store's host has exited too, the store cannot tell any more."""
+        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None; the first answer kept."""
         if self.reason is None:
             self.reason = self._dead(self.timeout if silence is None else silence)
         return self.reason
@@ -99,8 +98,7 @@ class Heartbeat:
         hangs.fire(reason, threading.main_thread().ident, leader=True)
 
     def wait_for_dead(self) -> Optional[str]:
-        """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
-        dead; wait at most that long (+ one beat) to name it."""
+        """After a failed collective: wait at most 3 beats (+ one) for a silent peer to name."""
         silence = min(self.timeout, 3 * self.interval)
         deadline = time.monotonic() + silence + 2 * self.interval
         while time.monotonic() < deadline:

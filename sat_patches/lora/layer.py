@@ -45,12 +45,6 @@ def segment_sizes(rows: int, partition) -> List[int]:
     return [rows // sum(ratios) * k for k in ratios]
 
 
-def _mark_split(param: nn.Parameter, split: bool) -> None:
-    # SAT syncs parameters by this flag; DeepSpeed counts gradient norms of unsplit ones once.
-    param.model_parallel = split
-    param.tensor_model_parallel = split
-
-
 def _beside(weight: torch.Tensor, *shape: int) -> torch.Tensor:
     """An uninitialised tensor beside ``weight``; on the compute device when ``weight`` is on meta."""
     device = devices.compute_device()
@@ -96,8 +90,8 @@ class LoraLinear(nn.Module):
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
         for factor in FACTORS:
             split = lora_factor_split(self.kind, factor) is not None
-            for p in getattr(self, factor):
-                _mark_split(p, split)
+            for p in getattr(self, factor):  # SAT syncs by these flags; DeepSpeed counts unsplit norms once
+                p.model_parallel = p.tensor_model_parallel = split
         self.reset_lora_parameters()
         self.register_load_state_dict_post_hook(_plain_checkpoint_has_no_lora_keys)
 

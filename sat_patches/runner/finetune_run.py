@@ -87,7 +87,7 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     if run_mode in ("cpu", "checkout-cpu"):  # the user's data, from where they gave it (the checkout run changes folder)
         env.update({k: os.path.abspath(env[k]) for k in ("TRAIN_DATA", "VALID_DATA") if env.get(k)})
-        tiny = tiny_positions(kind)
+        tiny = int(tiny_config(kind)["max_sequence_length"])  # the tiny model's positions
         if env["MAX_LENGTH"].isdigit() and int(env["MAX_LENGTH"]) > tiny:
             env["MAX_LENGTH"] = str(tiny)  # said by cpu_notes
     if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
@@ -334,11 +334,6 @@ def cpu_notes(env: Dict[str, str], environ: Dict[str, str], run_mode: str = "cpu
                     for name, why in NOT_ON_CPU.items() if environ.get(name)]
 
 
-def tiny_positions(kind: str) -> int:
-    """How many tokens the tiny model of a CPU run holds (its language model's ``max_sequence_length``)."""
-    return int(tiny_config(kind)["max_sequence_length"])
-
-
 def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:
     """A ``.jsonl`` TRAIN_DATA/VALID_DATA given to a checkout's demo that reads only folders of images."""
     if run_mode != "checkout-cpu":
@@ -385,11 +380,10 @@ def main(argv=None) -> int:
         commands = checkout_cpu_commands(env, kind)
     else:
         commands = gpu_commands(env, kind, run_mode == "checkout")
-    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
-    run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
-    run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
-    if on_cpu:
-        run_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks even where GPUs are visible (CPU_RANKS set)
+    if on_cpu:  # torchrun sets LOCAL_WORLD_SIZE; CPU ranks even where GPUs are visible
+        run_env = dict({k: v for k, v in env.items() if k != "LOCAL_WORLD_SIZE"}, CUDA_VISIBLE_DEVICES="")
+    else:  # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher
+        run_env = dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
     if on_cpu:
