@@ -70,9 +70,3 @@ def import_main(argv: Optional[List[str]] = None) -> int:
               "source there is)", file=sys.stderr)
         return 2
     return main(["import-hf", *argv[1:]])
-
-
-def add_parser(sub) -> None:
-    """``export`` and ``import`` in ``sat-patches --help`` (their arguments go to :func:`main`, :func:`import_main`)."""
-    sub.add_parser("export", help="a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)")
-    sub.add_parser("import", help="a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)")
