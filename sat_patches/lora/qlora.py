@@ -1,9 +1,6 @@
-"""QLoRA: bitsandbytes NF4 base layers under LoRA, quantised on their own device, one linear at a time.
-
-Stock ``LoraMixin(qlora=True)`` raised ``NameError: cannot access free variable 'dtype'`` and merging
-assumed a bias and dequantised NF4 with ``dequantize_fp4`` (THUDM/CogVLM#438, #257). Here the base is
-quantised to NF4 on its own device, the rest of the transformer's linears are quantised at once, and a
-merge dequantises with ``dequantize_4bit``, adds the product and quantises again.
+"""QLoRA: bitsandbytes NF4 base layers under LoRA, quantised on their own device, one linear at a time
+(stock ``LoraMixin(qlora=True)`` raised ``NameError`` on ``dtype`` and merged NF4 with ``dequantize_fp4``:
+THUDM/CogVLM#438, #257).
 """
 from __future__ import annotations
 
