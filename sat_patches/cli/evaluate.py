@@ -37,8 +37,3 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def add_parser(sub) -> None:
-    """``evaluate`` in ``sat-patches --help``; :mod:`sat_patches.cli.main` hands its arguments to :func:`main`."""
-    sub.add_parser("evaluate", help="every sample of a data set answered by a checkpoint, scored, written out")

@@ -1,9 +1,5 @@
-"""``sat-patches export hf CKPT OUT`` / ``export peft ADAPTER OUT`` and ``sat-patches import hf HF_DIR OUT --mp N``
-(also ``python -m sat_patches export hf|peft ...``): :mod:`sat_patches.export` on the command line.
-
-:func:`main` takes the verb and its arguments (``hf``, ``peft``, ``import-hf``); :func:`import_main` is
-``sat-patches import hf``. Errors print one line saying what to change
-and exit with status 1, before anything is written.
+"""``sat-patches export hf CKPT OUT`` / ``export peft ADAPTER OUT`` and ``sat-patches import hf HF_DIR OUT --mp N``:
+:mod:`sat_patches.export` on the command line. Errors print one line and exit 1 before anything is written.
 """
 from __future__ import annotations
 
@@ -74,10 +70,3 @@ def import_main(argv: Optional[List[str]] = None) -> int:
               "source there is)", file=sys.stderr)
         return 2
     return main(["import-hf", *argv[1:]])
-
-
-def add_parser(sub) -> None:
-    """``export`` and ``import`` in ``sat-patches --help``; :mod:`sat_patches.cli.main` hands their arguments to
-    :func:`main` and :func:`import_main`."""
-    sub.add_parser("export", help="a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)")
-    sub.add_parser("import", help="a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)")

@@ -70,8 +70,3 @@ def main(argv=None) -> int:
         print(f"usage: sat-patches finetune {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
-
-
-def add_parser(sub) -> None:
-    """``finetune`` in ``sat-patches --help``; :mod:`sat_patches.cli.main` hands its arguments to :func:`main`."""
-    sub.add_parser("finetune", help="standalone CogVLM / CogAgent LoRA fine-tuning: prepare, train, verify")

@@ -1,10 +1,5 @@
-"""``sat-patches`` command line: ``status``, ``doctor``, ``plan``, ``report``, ``scripts``, ``merge``, ``evaluate``,
-``finetune``, ``export``, ``import``.
-
-Each subcommand's module adds its parser (``add_parser``) and is listed in :data:`COMMANDS`. Importing
-this module imports neither torch nor SAT: ``status`` (which applies the patches) and ``doctor``
-(which looks at torch, CUDA and the patches) import them when they run, as do ``merge``, ``evaluate``,
-``finetune`` and ``export`` (each also ``python -m sat_patches <verb>``).
+"""``sat-patches`` command line. Each subcommand's module adds its parser (``add_parser``); importing this
+module imports neither torch nor SAT (the subcommands import them when they run).
 """
 from __future__ import annotations
 
@@ -13,30 +8,32 @@ import sys
 
 from . import doctor, evaluate, export, finetune, merge, plan, report, scripts, status
 
-# (name, function that adds the subparser)
-COMMANDS = [("status", status.add_parser), ("doctor", doctor.add_parser), ("plan", plan.add_parser),
-            ("report", report.add_parser), ("scripts", scripts.add_parser), ("merge", merge.add_parser),
-            ("evaluate", evaluate.add_parser), ("finetune", finetune.add_parser), ("export", export.add_parser)]
+COMMANDS = (status, doctor, plan, report, scripts)  # each adds its subparser
+# verbs with their own argument parser: everything after the verb is theirs (``sat-patches export --help``)
+OWN_PARSER = {
+    "merge": (merge.main, "a model-parallel LoRA checkpoint as one MP=1 checkpoint, LoRA folded in"),
+    "evaluate": (evaluate.main, "every sample of a data set answered by a checkpoint, scored, written out"),
+    "finetune": (finetune.main, "standalone CogVLM / CogAgent LoRA fine-tuning: prepare, train, verify"),
+    "export": (export.main, "a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)"),
+    "import": (export.import_main, "a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sat-patches", description="multi-GPU CogVLM / CogAgent fine-tuning on SAT: "
                                      "check, plan, write the scripts, train, merge, evaluate, export")
     sub = parser.add_subparsers(dest="command", required=True)
-    for _, add in COMMANDS:
-        add(sub)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    for name, (_, text) in OWN_PARSER.items():
+        sub.add_parser(name, help=text)
     return parser
-
-
-# verbs with their own argument parser: everything after the verb is theirs (``sat-patches export --help``)
-OWN_PARSER = {"merge": merge.main, "evaluate": evaluate.main, "finetune": finetune.main, "export": export.main,
-              "import": export.import_main}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in OWN_PARSER:
-        return OWN_PARSER[argv[0]](argv[1:])
+        return OWN_PARSER[argv[0]][0](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

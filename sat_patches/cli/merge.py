@@ -30,8 +30,3 @@ def main(argv=None) -> int:
     print(f"merged {info['shards']} model-parallel shard(s) of iteration {info['iteration']} and "
           f"{info['lora_layers']} LoRA layer(s) into {a.output} (MP=1)")
     return 0
-
-
-def add_parser(sub) -> None:
-    """``merge`` in ``sat-patches --help``; :mod:`sat_patches.cli.main` hands its arguments to :func:`main`."""
-    sub.add_parser("merge", help="a model-parallel LoRA checkpoint as one MP=1 checkpoint, LoRA folded in")

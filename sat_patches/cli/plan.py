@@ -2,9 +2,7 @@
 recommendation, the scripts' settings and a DeepSpeed config; the figures are :mod:`sat_patches.planning`'s."""
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import List, Optional
 
 from ..core.registry import VERIFIED_SAT
@@ -142,10 +140,3 @@ def add_parser(sub) -> None:
     p.add_argument("--tflops", type=float, default=None, help="the card's peak dense bf16 TFLOP/s, instead of --gpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="sat-patches")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["plan", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

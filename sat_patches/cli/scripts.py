@@ -1,8 +1,5 @@
-"""``sat-patches scripts DEST``: write the drop-in finetune scripts into a CogVLM checkout's ``finetune_demo/``.
-
-A wheel carries only the package, so the scripts are written from here rather than copied from a
-checkout of sat_patches; ``finetune_examples/`` in the repository holds the same text (a test keeps
-them equal). The settings and their defaults are :mod:`sat_patches.runner.finetune_run`'s.
+"""``sat-patches scripts DEST``: write the drop-in finetune scripts into a CogVLM checkout's ``finetune_demo/``
+(the same text as ``finetune_examples/``; the settings are :mod:`sat_patches.runner.finetune_run`'s).
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Ranks coordinating: the process group's store, stages, barriers with a timeout, node ranks, and
-what a failed collective's error says happened.
-
-* :func:`group_store` is the default process group's key-value store, through which ranks exchange
-  small values without tensors (whatever backends the group has).
-* Ranks meet behind a barrier with a timeout (``SAT_PATCHES_LOAD_TIMEOUT`` seconds, default 1800)
-  whose message names the stage each late rank is at.
-* ``LOCAL_WORLD_SIZE`` is checked against the ranks that really share a node (SAT's node groups are
-  empty with ``LOCAL_WORLD_SIZE=8`` on a 2-GPU box).
-* :func:`error_kinds` reads a torch.distributed error (gloo, NCCL, c10d store) as a timeout, a lost
-  peer or a missing backend, for the patches that react to each.
+"""Ranks coordinating through the process group's store: stages, barriers with a timeout naming where late
+ranks are, node ranks and ``LOCAL_WORLD_SIZE``, and what a failed collective's error says happened.
 """
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ _barriers = 0
 
 
 def group_store(single_rank_too: bool = False):
-    """The default process group's store, or None: no process group (not initialised, or destroyed)
-    and, unless ``single_rank_too``, a group of one rank (no other rank to exchange anything with)."""
+    """The default process group's store; None without a group or (unless ``single_rank_too``) with one rank."""
     try:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -60,10 +50,8 @@ _ERROR_TEXTS = {  # lower-case pieces of the messages of gloo, NCCL and torch.di
 
 
 def error_kinds(exc: BaseException) -> FrozenSet[str]:
-    """What a failed collective or store call says happened: any of :data:`TIMED_OUT` (gloo's "Timed
-    out", NCCL's watchdog), :data:`PEER_LOST` (a closed or reset socket, an NCCL error, any c10d
-    ``DistError``: what a dead peer causes) and :data:`NO_BACKEND` (the group has no backend for a
-    tensor's device). Empty for an error of this rank's own."""
+    """What a failed collective or store call says happened: :data:`TIMED_OUT`, :data:`PEER_LOST` (also any
+    c10d ``DistError``), :data:`NO_BACKEND`; empty for an error of this rank's own."""
     text = str(exc).lower()
     kinds = {kind for kind, texts in _ERROR_TEXTS.items() if any(t in text for t in texts)}
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -73,8 +61,7 @@ def error_kinds(exc: BaseException) -> FrozenSet[str]:
 
 @contextlib.contextmanager
 def stage(name: str):
-    """Announce what this rank is doing (``with stage("reading ...")``) so that a rank waiting at a
-    :func:`barrier` can say where the late ones are."""
+    """Announce what this rank is doing, for the messages of a rank waiting at a :func:`barrier`."""
     store = group_store()
     if store is not None:
         store.set(f"sat_patches/stage/{dist.get_rank()}", f"{time.time()}|{name}")
@@ -82,8 +69,7 @@ def stage(name: str):
 
 
 def barrier(name: str, timeout: Optional[float] = None) -> None:
-    """Wait until every rank reached this point, at most ``timeout`` seconds (default
-    ``SAT_PATCHES_LOAD_TIMEOUT``); then raise :class:`LoadTimeout` naming each late rank's stage."""
+    """Wait for every rank, at most ``timeout`` s (``SAT_PATCHES_LOAD_TIMEOUT``), else :class:`LoadTimeout`."""
     global _barriers
     store = group_store()
     if store is None:
@@ -124,8 +110,7 @@ def _stage_of(store, rank: int) -> str:
 
 
 def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List[str]:
-    """Every rank's ``value`` (rank order), exchanged through the process group's store: no tensors,
-    so it works whatever backend the group has (an NCCL-only group on a rank without CUDA, too)."""
+    """Every rank's ``value`` (rank order), exchanged through the store (no tensors: any backend)."""
     store = group_store()
     if store is None:
         return [value]
@@ -151,8 +136,7 @@ def node_ranks() -> List[int]:
 
 
 def check_local_world_size() -> Optional[int]:
-    """Set ``LOCAL_WORLD_SIZE`` to the number of ranks really on this node, with a warning when the
-    environment says otherwise (SAT builds its node groups from it). Returns the size it checked."""
+    """Set ``LOCAL_WORLD_SIZE`` (SAT's node groups) to the ranks really on this node, warning where it differed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = node_ranks()

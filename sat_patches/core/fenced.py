@@ -1,7 +1,5 @@
-"""Diagnostics never end a run: the memory ledger, the loss curve, the progress line and the rank
-heartbeat each run fenced. The first exception one raises is printed once, with its traceback and the
-diagnostic's name; that diagnostic is then off for the rest of the process, and training goes on
-(a plotting library that imports but is broken, a full disk for the ledger's files, ...)."""
+"""Diagnostics never end a run: the first exception one raises is printed once with its traceback, and that
+diagnostic is off for the rest of the process while training goes on."""
 from __future__ import annotations
 
 import sys

@@ -1,21 +1,10 @@
-"""The one import hook of sat_patches, armed by ``import sat_patches`` and by nothing else.
+"""The one import hook of sat_patches, armed by ``import sat_patches``.
 
-It does three things, only in a process that imported sat_patches:
-
-* **Stand-ins.** Two modules that SAT and CogVLM import exist only where CUDA does. Where the real one is not
-  installed (and ``SAT_PATCHES_DISABLE`` does not name the stand-in), the hook serves a file of ours under its name:
-  SAT's ``sat.model.position_embedding.triton_rotary`` (it imports ``triton`` at module level, so ``import sat``
-  fails without triton; a fake top-level ``triton`` would break ``torch._inductor``) from ``kernels/rotary.py``, and
-  ``xformers`` (CUDA wheels only; CogVLM's EVA2-CLIP calls ``xformers.ops.memory_efficient_attention``) from
-  ``standins/xformers/``.
-* **After an import.** ``after(module, callback)``: ``callback()`` runs once the module's own code has run (SAT, so
-  that the patches go on when SAT is imported; a CogVLM fork's ``utils.models.mixin``, imported late by its demo).
-* **Our own imports.** While the patches wait for SAT, each module of sat_patches is imported through the hook too,
-  which counts the ones running: SAT imported from inside one of them (``from sat_patches.checkpoints.loading
-  import ...`` before ``import sat``) patches once that outermost module of ours is done, since the patch records
-  import our modules and a half-imported one cannot be imported from.
-
-The loaders are the ones Python's own finders give, wrapped (:class:`_Notifying`), never changed.
+* Stand-ins: where the real module is absent (and not disabled), our file is served under the name of SAT's
+  ``sat.model.position_embedding.triton_rotary`` (``kernels/rotary.py``) and of ``xformers`` (``standins/xformers/``).
+* ``after(module, callback)``: ``callback()`` runs once the module's own code has run.
+* While the patches wait for SAT, our own modules are counted as they import, so that SAT imported from inside
+  one of them is patched once the outermost one is done.
 """
 from __future__ import annotations
 
@@ -23,7 +12,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 from . import settings
 
@@ -158,11 +147,7 @@ def disabled(name: str) -> bool:
 
 
 def serve_standins() -> None:
-    """At ``import sat_patches``: serve each stand-in that is not disabled and whose real module is absent."""
+    """Serve each stand-in that is not disabled and whose real module is absent."""
     for name, (patch, _, _) in STANDINS.items():
         if not disabled(patch):
             HOOK.serve(name)
-
-
-def served(name: str) -> Optional[str]:
-    return HOOK.serving.get(name)

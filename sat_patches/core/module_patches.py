@@ -9,9 +9,8 @@ from .registry import MARKER, Patch
 
 
 class ServedModulePatch(Patch):
-    """The module ``sys.modules:<name>`` served from its stand-in by the import hook (:mod:`.import_hook`), which
-    ``import sat_patches`` arms before SAT can import it. Listed, disable-able (``SAT_PATCHES_DISABLE``, read at
-    ``import sat_patches``), restorable; never where the real module is installed."""
+    """The module ``sys.modules:<name>`` served from its stand-in by the import hook, unless the real one is
+    installed; listed, disable-able, restorable."""
 
     @property
     def module_name(self) -> str:
@@ -50,8 +49,7 @@ class ServedModulePatch(Patch):
 
 
 class QuietThirdPartyPatch(Patch):
-    """The log filters of :mod:`sat_patches.core.noise` as a registry entry (they go on at ``import
-    sat_patches``, before SAT imports the libraries that log; listed, restorable, disable-able here)."""
+    """The log filters of :mod:`sat_patches.core.noise` as a registry entry."""
 
     def current(self):
         return noise.is_installed()

@@ -1,18 +1,7 @@
-"""Third-party messages that say nothing about a sat_patches run, filtered out of their loggers.
-
-Every process of a run (each rank, the demo's prepare/merge/verify steps) logged them at import:
-
-* bitsandbytes' CPU backend: "Failed to load CPU gemm_4bit_forward from kernels-community ...": an
-  optional faster CPU kernel for 4-bit matmuls (QLoRA on CPU), fetched from a model hub.
-* DeepSpeed: "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
-  detect it.": the ranks' device is what matters, and sat_patches says it once, on rank 0, when the
-  ranks have agreed on it (:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`).
-* torch's DataLoader, per loader: "'pin_memory' argument is set as true but no accelerator is
-  found": SAT asks for pinned memory, which only applies where there is an accelerator; the warning
-  is raised only where there is none.
-
-The filters go on at ``import sat_patches``, before SAT (and with it bitsandbytes and DeepSpeed) is
-imported; ``SAT_PATCHES_DISABLE=quiet_third_party`` keeps the messages.
+"""Third-party messages that say nothing about a sat_patches run, filtered out at ``import sat_patches``:
+bitsandbytes' optional CPU kernel download, DeepSpeed's "Setting accelerator to CPU" (sat_patches names the
+ranks' device once), torch's DataLoader 'pin_memory' warning without an accelerator.
+``SAT_PATCHES_DISABLE=quiet_third_party`` keeps them.
 """
 from __future__ import annotations
 

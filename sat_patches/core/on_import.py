@@ -1,10 +1,6 @@
-"""Patches of modules that are not SAT's and may be imported late, or never: a CogVLM fork's model code.
-
-A fork's ``utils/models/mixin.py`` is imported by its finetune demo after ``import sat`` (and after the
-patches went on), from the checkout's root on ``sys.path``. Importing it ourselves would import whatever
-``utils`` package the process can see, so an :class:`OnImportPatch` waits: while its module is not imported
-its status is ``waiting``, and the import hook applies it the moment the module's own code has run, through the
-same gate on the code's shape as every patch (and again whenever the module is imported afresh).
+"""Patches of modules imported late, or never: a CogVLM fork's ``utils/models/mixin.py``. Importing it ourselves
+would import whatever ``utils`` the process sees, so an :class:`OnImportPatch` is ``waiting`` until the import hook
+sees its module's code run, and is applied then, through the same gate as every patch.
 """
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ class OnImportPatch(Patch):
         return super()._owner_and_attr()
 
     def current(self):
-        """The target as it is now; None while its module is not imported."""
         return super().current() if self.module_name in sys.modules else None
 
     def apply(self, force: bool = False, aliases=None) -> None:

@@ -3,8 +3,7 @@ import random
 import socket
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-SPAN = 12000
-"""How many ports below the kernel's ephemeral range are candidates."""
+SPAN = 12000  # how many ports below the kernel's ephemeral range are candidates
 
 
 def ephemeral_range():
@@ -27,9 +26,8 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A port free now, chosen at random below the ephemeral range. A port from ``bind(port 0)`` lies inside
-    that range, where every outgoing connection (gloo's, a TCPStore client's) takes its port: one of them can
-    take it before the rendezvous binds it, and the run fails with EADDRINUSE while its peers wait."""
+    """A port free now, at random below the ephemeral range (inside it an outgoing connection can take the port
+    before the rendezvous binds it: EADDRINUSE)."""
     low, _ = ephemeral_range()
     candidates = range(max(1024, low - SPAN), low)
     for port in random.Random().sample(candidates, min(200, len(candidates))):

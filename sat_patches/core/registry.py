@@ -1,9 +1,6 @@
-"""The patch registry: one small record per patch, applied once, reversible.
-
-Modelled on Liger-Kernel's ``monkey_patch.py`` and ``gevent.monkey``: every patch names its
-target (``module:attr.path``), keeps the original, marks the replacement (``__sat_patches__`` and
-``__wrapped__``) so a second apply changes nothing, and records every ``from x import y`` alias in
-loaded modules that it rebound, so :func:`unpatch_all` can put each one back.
+"""The patch registry: one small record per patch, applied once, reversible (as Liger-Kernel's ``monkey_patch``
+and ``gevent.monkey``). A replacement is marked (``__sat_patches__``, ``__wrapped__``) and every ``from x import
+y`` alias it rebound is recorded, so :func:`unpatch_all` puts each one back.
 """
 from __future__ import annotations
 
@@ -18,12 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from . import settings
 
 MARKER = "__sat_patches__"
-VERIFIED_SAT = "0.4.12"
-"""The SwissArmyTransformer release every patch's gate was written against."""
-
-
-IN_ORDER = ("applied", "not needed", "disabled", "waiting")
-"""Statuses that are no fault: ``waiting`` is a patch of a module not imported yet (a CogVLM fork's model code)."""
+VERIFIED_SAT = "0.4.12"  # the SwissArmyTransformer release every patch's gate was written against
+IN_ORDER = ("applied", "not needed", "disabled", "waiting")  # statuses that are no fault
 
 
 class SatPatchesWarning(UserWarning):
@@ -64,9 +57,8 @@ def expect_params(*params: str) -> Callable[[Any], Optional[str]]:
 
 
 def delegate(func: Callable, with_original: bool = True) -> Callable[[Any], Any]:
-    """A patch's ``make`` for a target that our library function ``func`` serves: the target becomes a wrapper
-    (with the original's name and docstring) that returns ``func(original, *args, **kwargs)``, or
-    ``func(*args, **kwargs)`` where ``func`` replaces the original outright (``with_original=False``)."""
+    """A patch's ``make``: a wrapper named as the original that returns ``func(original, *args, **kwargs)``
+    (``with_original=False``: ``func(*args, **kwargs)``)."""
     def make(original):
         def replacement(*args, **kwargs):
             return func(original, *args, **kwargs) if with_original else func(*args, **kwargs)
@@ -186,9 +178,7 @@ def _mark(obj, name, original):
 
 class Aliases:
     """Where each object is bound in the modules of SAT, of a patch's target package and of this package, so
-    that ``from x import y`` aliases of a patched function can be rebound (a module of ours that imported a SAT
-    function before the patches went on calls the patched one). One pass over those modules' namespaces serves
-    every patch that one :meth:`Registry.apply_all` puts on (a pass per patch cost ~0.7 s in every process)."""
+    that ``from x import y`` aliases of a patched function can be rebound; one index serves a whole apply."""
 
     def __init__(self):
         self._where: Dict[int, List[Tuple[dict, str]]] = {}   # id(object) -> [(namespace, name)]
@@ -243,8 +233,7 @@ class Registry:
             self.patches.append(p)
 
     def declare_stacks(self, stacks: Dict[str, List[str]]) -> None:
-        """Declare, for each shared target, the order of its patches (innermost first). Every target
-        that several registered patches share must be declared, with exactly those patches."""
+        """Declare, for each target several patches share, the order of exactly those patches (innermost first)."""
         by_target: Dict[str, List[str]] = {}
         for p in self.patches:
             by_target.setdefault(p.target, []).append(p.name)
@@ -296,8 +285,7 @@ class Registry:
             p.restore()
 
     def restore(self, names) -> List[Patch]:
-        """Restore the named patches. Patches applied later on the same target wrap them: those come
-        off first and go back on (over the originals) afterwards. Returns the restored patches."""
+        """Restore the named patches (later ones on the same target come off first and go back on after)."""
         chosen = [self.get(n) for n in names]
         first = {}
         for p in chosen:

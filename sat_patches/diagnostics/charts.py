@@ -1,8 +1,5 @@
-"""Charts of a run: the memory ledger (one line per rank) and the loss curve, as PNGs.
-
-Host RSS over time on top; CUDA max allocated underneath when the run used CUDA. Each rank's
-phases (build, load, lora, deepspeed_init, first_step) are marked on its line. Needs matplotlib
-(``pip install 'sat_patches[report]'``).
+"""Charts of a run as PNGs (with matplotlib): the memory ledger (host RSS, CUDA max allocated; one line per rank,
+phases marked) and the loss curve.
 """
 from __future__ import annotations
 

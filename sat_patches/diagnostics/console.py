@@ -46,9 +46,8 @@ def rank0() -> bool:
 
 
 def print_args_to_file(original, args) -> None:
-    """SAT's ``print_args`` (sat/training/deepspeed_training.py; ``original``) prints ~120 argument lines at the
-    start of every run. With a run directory they go to ``arguments.txt`` there and rank 0's console gets one
-    line naming it; without one (or with ``--save-args``, SAT's own copy as asked) SAT prints them."""
+    """SAT's ``print_args`` (~120 lines): with a run directory (and no ``--save-args``) into ``arguments.txt``,
+    and one line naming it on rank 0."""
     run_dir = run_directory(args)
     CurrentRun.directory, CurrentRun.iteration = run_dir, getattr(args, "iteration", 0)
     if not run_dir or getattr(args, "save_args", False):  # --save-args: SAT's own copy, as asked
@@ -61,9 +60,7 @@ def print_args_to_file(original, args) -> None:
 
 
 def log_timers_to_file(original, timers, names, normalizer=1.0, reset=True):
-    """SAT's ``Timers.log`` (sat/training/utils.py; ``original``) prints a ``time (ms) | forward ...`` line per
-    log interval between the progress lines. With a run directory the values go to ``step_times.csv``
-    there instead (every rank reads and resets its timers, as SAT's does; rank 0 writes them down)."""
+    """SAT's ``Timers.log`` line per interval: with a run directory, rank 0 writes it to ``step_times.csv``."""
     if not CurrentRun.directory:
         return original(timers, names, normalizer, reset)
     assert normalizer > 0.0

@@ -1,15 +1,9 @@
 """Dead ranks named: a heartbeat per rank in the process group's store.
 
-A rank SIGKILLed (host OOM, as in THUDM/CogVLM#283 and THUDM/CogVLM#320) leaves the others waiting in a
-collective for NCCL's/gloo's timeout (30 min by default), or failing with "Connection closed by peer"
-that names nobody. :class:`Heartbeat` (started by the patch ``rank_heartbeat`` on ``training_main``) is a
-thread per rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
-``timeout / 10`` s and watches every peer's counter. A peer silent for ``SAT_PATCHES_HEARTBEAT_TIMEOUT``
-seconds (default 300) makes this rank print "rank N stopped (no heartbeat for X s)", dump its stacks and
-exit with :data:`sat_patches.diagnostics.watchdog.EXIT_CODE` (through
-:func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
-answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main`` marks
-itself done, so a normal end is not mistaken for a death.
+A SIGKILLed rank (host OOM: THUDM/CogVLM#283, #320) leaves the others in a collective until its timeout. Each
+rank's :class:`Heartbeat` thread bumps its counter every ``timeout / 10`` s and watches its peers'; a peer silent
+for ``SAT_PATCHES_HEARTBEAT_TIMEOUT`` s (default 300) ends the run through :func:`watchdog.fire`. A rank that
+finishes marks itself done.
 """
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ class Heartbeat:
             pass
 
     def dead(self, silence: Optional[float] = None) -> Optional[str]:
-        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None. The first
-        answer is kept: once the store's host has exited too, the store cannot tell any more."""
+        """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None; the first answer kept."""
         if self.reason is None:
             self.reason = self._dead(self.timeout if silence is None else silence)
         return self.reason
@@ -101,13 +94,11 @@ class Heartbeat:
                 self.fire(reason)
 
     def fire(self, reason: str) -> None:
-        """End the run on this rank for ``reason`` (a dead peer) through :func:`hangs.fire`: stacks
-        dumped, the other ranks told, exit status :data:`hangs.EXIT_CODE`."""
+        """End the run on this rank for ``reason`` through :func:`hangs.fire`."""
         hangs.fire(reason, threading.main_thread().ident, leader=True)
 
     def wait_for_dead(self) -> Optional[str]:
-        """After a failed collective (gloo saw a peer's socket close): a peer silent for 3 beats is
-        dead; wait at most that long (+ one beat) to name it."""
+        """After a failed collective: wait at most 3 beats (+ one) for a silent peer to name."""
         silence = min(self.timeout, 3 * self.interval)
         deadline = time.monotonic() + silence + 2 * self.interval
         while time.monotonic() < deadline:
@@ -133,16 +124,13 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
 
 
 def lost_peer(exc: BaseException) -> bool:
-    """A failure that a dead peer can cause (gloo's closed socket, c10d's DistError, NCCL): worth waiting
-    a few beats to name the dead rank. A plain error of this rank's own is raised at once."""
+    """A failure that a dead peer can cause (worth waiting a few beats to name it)."""
     return PEER_LOST in error_kinds(exc)
 
 
 def training_main_with_heartbeat(original, args, *a, **kw):
-    """SAT's ``training_main`` (sat/training/deepspeed_training.py; ``original``), with this rank's heartbeat
-    running: a SIGKILLed rank leaves the others in a collective for 30 min, unnamed (THUDM/CogVLM#283,
-    THUDM/CogVLM#320: kill -9, "training stops with no clear error"). A collective that fails with a lost peer
-    waits a few beats to name the dead rank; a normal end marks this rank done."""
+    """SAT's ``training_main`` with this rank's heartbeat running (THUDM/CogVLM#283, #320: a SIGKILLed rank
+    leaves the others waiting, unnamed); a collective failing with a lost peer waits a few beats to name it."""
     heartbeat_timeout()  # a bad setting is the user's to fix: refused, not fenced
     hb = fenced.HEARTBEAT.run(start_heartbeat)
     try:

@@ -80,8 +80,7 @@ class Ledger:
         return [Row(**r) for box in (boxes or []) for r in box]
 
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
-        """Gather; on rank 0 append to the run directory's files, and print the table the first time
-        and whenever a rank stands far above the others (the files keep every interval)."""
+        """Gather; rank 0 writes the rows, and prints the table the first time and when a rank stands far above."""
         new = self.gather()  # every rank takes part, even with the ledger off here (the others wait for it)
         if _rank() != 0 or fenced.LEDGER.off:
             return new
@@ -107,9 +106,8 @@ def run_directory(args=None) -> Optional[str]:
 
 
 def train_step_recorded(original, data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw):
-    """SAT's ``train_step`` (sat/training/deepspeed_training.py; ``original``; stock SAT reports no per-rank
-    memory): :data:`LEDGER` records the first step and every step that ends a log interval; at those steps
-    (the same on every rank) the rows are gathered to rank 0, written and printed."""
+    """SAT's ``train_step``, with :data:`LEDGER` recording the first step and each log interval's last, then
+    gathering the rows to rank 0, which writes and prints them."""
     result = original(data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw)
     if not enabled():
         return result

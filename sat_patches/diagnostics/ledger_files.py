@@ -1,7 +1,5 @@
-"""The memory ledger's files: rows, the CSV/JSON a run writes, the table printed, flagged ranks.
-
-Read and written without torch or SAT, so ``sat-patches report`` starts at once; the recording
-itself (:mod:`sat_patches.diagnostics.ledger`) runs inside the training processes.
+"""The memory ledger's files: rows, the CSV/JSON a run writes, the table printed, flagged ranks (without
+torch or SAT, so ``sat-patches report`` starts at once).
 """
 from __future__ import annotations
 

@@ -39,17 +39,14 @@ CURVE_COLUMNS = ("iteration", "loss", "lr", "seconds_per_iteration", "model_para
 SPREAD_TOLERANCE = 1e-6
 
 
-REDRAW_SECONDS = 60.0
-"""While a run trains, its PNG is redrawn at most this often (a drawing costs the logging rank a few tenths of a second,
-which every other rank then waits for at its next collective), and at the run's last step; the CSV gets every step."""
+REDRAW_SECONDS = 60.0  # the PNG is redrawn at most this often (and at the last step); the CSV gets every step
 _last_drawn: Dict[str, float] = {}  # run directory -> time.monotonic() of its last drawing, or of its first record
 
 
 def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float, spread: float = 0.0,
                 last: bool = False) -> None:
-    """Append the step to the run's loss curve; redraw its PNG (when matplotlib is there) at the ``last`` step and
-    when the last drawing is :data:`REDRAW_SECONDS` old. ``spread``: the largest difference between the losses of
-    the model-parallel ranks (:func:`model_parallel_spread`)."""
+    """Append the step to the run's loss curve; redraw its PNG (with matplotlib) at the ``last`` step and every
+    :data:`REDRAW_SECONDS`. ``spread``: :func:`model_parallel_spread`."""
     path = os.path.join(run_dir, CURVE_CSV)
     os.makedirs(run_dir, exist_ok=True)
     fresh = not os.path.exists(path)
@@ -83,11 +80,8 @@ def print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, av
 
 
 def model_parallel_spread(loss: float, step: int) -> float:
-    """The largest difference between the losses the ranks of this rank's model-parallel group report for this
-    log interval (0 without model parallelism). They must be equal: each rank computes the loss of the same batch
-    from the same gathered logits. A difference means the ranks of one group trained on different batches or
-    weights (the batch not broadcast within the group, a rank-local data loader, a checkpoint shard loaded on the
-    wrong rank): the group's first rank warns, with every rank's loss."""
+    """The largest difference between the losses of this rank's model-parallel group, which must be equal (the
+    same batch, the same gathered logits); the group's first rank warns, with every loss, where they differ."""
     losses = collectives.model_parallel_values(loss)
     spread = max(losses) - min(losses)
     if spread > SPREAD_TOLERANCE * max(1.0, abs(loss)) and collectives.get_model_parallel_rank() == 0:
@@ -110,10 +104,8 @@ def record_curve(run_dir: str, step, loss, lr, elapsed_time, spread: float = 0.0
 
 def report_iteration_progress(original, summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args,
                               avg_metrics) -> None:
-    """SAT's ``report_iteration_metrics`` (sat/training/deepspeed_training.py; ``original``) logs one long line
-    per log interval with no estimate of the time left. SAT's TensorBoard / wandb reporting runs without its
-    line; rank 0 prints :func:`progress_line` instead and appends the step to the run's loss curve. Both are
-    fenced (:mod:`sat_patches.core.fenced`): one that fails is reported once and turned off."""
+    """SAT's ``report_iteration_metrics`` without its long line (TensorBoard / wandb as before); rank 0 prints
+    :func:`progress_line` and appends the step to the loss curve, both fenced."""
     sat_logger = logging.getLogger("sat")
     quiet = DropSatIterationLine()
     sat_logger.addFilter(quiet)
@@ -133,10 +125,8 @@ def report_iteration_progress(original, summary_writer, optimizer, lr, loss, ela
 
 
 def report_evaluate_metrics_float32(original, summary_writer, prefix, loss, ppl, step, args, avg_metrics):
-    """SAT's ``report_evaluate_metrics`` (sat/training/deepspeed_training.py; ``original``) with its metrics as
-    float32: a bf16 run's metrics (a script that returns its loss in the model's dtype, as SAT's ChatGLM2
-    example does) are bf16 tensors, which TensorBoard's ``add_scalar`` refuses ("Got unsupported ScalarType
-    BFloat16") at the run's first evaluation."""
+    """SAT's ``report_evaluate_metrics`` with bf16 metrics as float32 (TensorBoard refuses "unsupported
+    ScalarType BFloat16")."""
     if avg_metrics:
         avg_metrics = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 else v
                        for k, v in avg_metrics.items()}

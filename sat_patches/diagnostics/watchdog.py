@@ -42,15 +42,13 @@ GRACE = 30.0                    # the faulthandler backstop fires this long afte
 MAX_BACKSTOP = 7 * 24 * 3600.0
 
 
+# the blocking torch.distributed functions the watchdog times (not monitored_barrier: it has its own timeout)
 COLLECTIVES = ("barrier", "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast_object_list", "gather", "send", "recv")
-"""The blocking ``torch.distributed`` functions the watchdog times when it finds a thread inside one. Not
-``monitored_barrier``: it has a timeout argument of its own (the preprocessing wait uses it)."""
 
 
+# torch's NCCL flight recorder: on an NCCL timeout each rank writes its last collectives to a file
 NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-"""Torch's NCCL flight recorder: on an NCCL timeout each rank writes its last collectives to
-``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_<rank>``)."""
 
 
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -83,10 +81,8 @@ def sat_call_of(thread_id: Optional[int]) -> Optional[str]:
 
 
 def in_sat_call(name: str, original, *args, **kwargs):
-    """Run SAT's ``original`` (one of SAT's functions that run collectives), recorded as "SAT's ``name``" for
-    this rank's reports. A collective in it that fails with its process group's timeout (gloo raises; the
-    watchdog thread can be a poll later) makes the same report as the watchdog (:func:`fire`): stock SAT
-    raises on one rank and leaves the others waiting."""
+    """Run SAT's ``original``, recorded as "SAT's ``name``" for this rank's reports; a collective in it failing
+    with its group's timeout makes the watchdog's report (:func:`fire`)."""
     calls = _sat_calls.setdefault(threading.get_ident(), [])
     calls.append(name)
     try:
@@ -139,9 +135,7 @@ def _stack_frames(thread_id: Optional[int], frame=None) -> list:
 
 
 def _collective_frame(frames: list):
-    """The torch.distributed collective (of :data:`COLLECTIVES`) that the innermost frames are inside, or None:
-    the outermost such function of the innermost run of torch.distributed frames (broadcast_object_list, not
-    the broadcast it calls)."""
+    """The outermost collective (of :data:`COLLECTIVES`) of the innermost run of torch.distributed frames."""
     found = None
     for frame, _ in frames:
         if _TORCH_DISTRIBUTED not in frame.f_code.co_filename:
@@ -193,9 +187,8 @@ def _default_timeout() -> float:
 
 
 class Watchdog:
-    """A thread that looks at this rank's threads every ``poll`` seconds: one inside the same collective call
-    for longer than ``timeout`` ends the run (:func:`fire`), as does another rank's report in the store and a
-    SIGTERM (:meth:`catch_sigterm`)."""
+    """A thread ending the run (:func:`fire`) when a thread of this rank stays in one collective call longer than
+    ``timeout``, another rank reports in the store, or SIGTERM arrives."""
 
     def __init__(self, timeout: float, poll: float):
         self.timeout, self.poll = timeout, poll
@@ -283,8 +276,7 @@ class Watchdog:
                 fire(f"another rank ended the run ({posted})", thread_id, leader=False)
 
     def _posted(self) -> Optional[str]:
-        """What another rank posted in the store; after repeated store failures (the rank hosting
-        the store is gone) while a thread of this rank waits in a collective, a message saying so."""
+        """What another rank posted in the store, or that the store's host is gone while this rank waits."""
         store = group_store(single_rank_too=True)
         if store is None:
             return None
@@ -382,10 +374,8 @@ def fire(reason: str, thread_id: Optional[int], leader: bool, where: Optional[st
 
 
 def _linger(poll: float) -> None:
-    """(a rank told by another) Exit after the reporting rank: this rank's exit closes its connections, which
-    would fail the reporter's blocked collective before its own report exits (status 1, not
-    :data:`EXIT_CODE`). Until the store is gone (its host, usually the reporter, exited), at most as long
-    as the reporter waits."""
+    """(a rank told by another) Exit after the reporter, whose blocked collective this rank's exit would fail:
+    until the store is gone, at most as long as the reporter waits."""
     store, deadline = group_store(single_rank_too=True), time.monotonic() + 2 * poll + 2
     while store is not None and time.monotonic() < deadline:
         try:

@@ -1,21 +1,9 @@
 """LoRA layers for SwissArmyTransformer (``sat/model/finetune/lora2.py``): by reference, on the right device,
 correct under model parallelism; merged in place.
 
-* The base layer object is kept (same Parameter, zero bytes copied) and ``matrix_A/B`` are created on the
-  base weight's device and dtype (the policy's compute device when the base is still on meta). A is
-  kaiming-uniform (a=sqrt(5)), B zeros, as upstream and peft.
-* Under model parallelism the layout follows the base layer: column-parallel: A replicated, B split with
-  the base rows; row-parallel: A split with the base columns and ``x @ A^T`` all-reduced, B replicated;
-  plain ``nn.Linear``: both replicated, no collective. ``model_parallel``/``tensor_model_parallel`` are set
-  on exactly the split factors (SAT's parameter sync, DeepSpeed's gradient norm).
-* :meth:`LoraLinear.merge` (and :func:`merge_linear_lora`) adds ``B @ A`` to the base weight in place, in
-  row chunks of at most :data:`CHUNK_BYTES`, and returns the base layer itself (its own type, device,
-  parallel semantics, bias or none); an NF4 base is dequantised, summed and quantised again
-  (:mod:`sat_patches.lora.qlora`).
-
-State-dict keys are stock SAT's (``...original.weight``, ``...matrix_A.0``, ``...matrix_B.0``): stock LoRA
-checkpoints load, and what is saved here loads into stock SAT; the names are declared in
-:mod:`sat_patches.checkpoints.lora_names`.
+The base layer is kept (same Parameter); ``matrix_A/B`` follow its device, dtype and parallel layout (column:
+B split; row: A split and ``x @ A^T`` all-reduced). :func:`merge_linear_lora` adds ``B @ A`` to the base weight
+in row chunks of at most :data:`CHUNK_BYTES` and returns the base layer. State-dict keys are stock SAT's.
 """
 from __future__ import annotations
 
@@ -50,26 +38,15 @@ def full_shape(layer: nn.Module):
 
 
 def segment_sizes(rows: int, partition) -> List[int]:
-    """Row counts of the stacked outputs (e.g. Q, K, V) of a base layer with ``rows`` rows.
-
-    ``partition`` is SAT's: a count of equal parts (the attention ``stride``), or a list of ratios
-    (multi-query attention: heads, kv heads, kv heads).
-    """
+    """Row counts of the stacked outputs (e.g. Q, K, V): ``partition`` equal parts, or a list of ratios."""
     ratios = [1] * partition if isinstance(partition, int) else list(partition)
     if rows % sum(ratios):
         raise ValueError(f"{rows} rows cannot be split in the ratios {ratios}")
     return [rows // sum(ratios) * k for k in ratios]
 
 
-def _mark_split(param: nn.Parameter, split: bool) -> None:
-    # SAT syncs parameters by this flag; DeepSpeed counts gradient norms of unsplit ones once.
-    param.model_parallel = split
-    param.tensor_model_parallel = split
-
-
 def _beside(weight: torch.Tensor, *shape: int) -> torch.Tensor:
-    """An uninitialised tensor on ``weight``'s device and dtype; on the policy's compute device
-    when ``weight`` is still on meta (LoRA factors are in no base checkpoint to materialise them)."""
+    """An uninitialised tensor beside ``weight``; on the compute device when ``weight`` is on meta."""
     device = devices.compute_device()
     if weight.device.type == "meta" and device.type != "meta":
         return torch.empty(shape, dtype=weight.dtype, device=device)
@@ -80,18 +57,9 @@ def _is_nf4(layer: nn.Module) -> bool:
     return getattr(getattr(layer, "weight", None), "quant_type", None) in ("nf4", "fp4")
 
 
-# --------------------------------------------------------------------------------------
-# The LoRA layer
-# --------------------------------------------------------------------------------------
-
 class LoraLinear(nn.Module):
-    """``original(x) + scaling * B(A(dropout(x)))``, with ``original`` kept by reference.
-
-    Same constructor as SAT's ``LoraLinear``; ``original_cls``, ``in_dim`` and ``out_dim`` are
-    accepted for compatibility, the base layer's own type and shape are what count. ``partition``
-    is the number (or the ratios) of stacked outputs of the base layer (3 for a fused QKV): each
-    gets its own A and B.
-    """
+    """``original(x) + scaling * B(A(dropout(x)))``, with ``original`` kept by reference. SAT's constructor;
+    ``partition``: the number (or ratios) of stacked outputs of the base layer, each with its own A and B."""
 
     def __init__(self, original_cls, partition, in_dim, out_dim, r, lora_alpha=1., lora_dropout=0.,
                  qlora=False, original_obj=None):
@@ -122,8 +90,8 @@ class LoraLinear(nn.Module):
         self.matrix_B = nn.ParameterList(nn.Parameter(_beside(weight, n, r)) for n in rows)
         for factor in FACTORS:
             split = lora_factor_split(self.kind, factor) is not None
-            for p in getattr(self, factor):
-                _mark_split(p, split)
+            for p in getattr(self, factor):  # SAT syncs by these flags; DeepSpeed counts unsplit norms once
+                p.model_parallel = p.tensor_model_parallel = split
         self.reset_lora_parameters()
         self.register_load_state_dict_post_hook(_plain_checkpoint_has_no_lora_keys)
 
@@ -177,25 +145,16 @@ def _plain_checkpoint_has_no_lora_keys(module: LoraLinear, incompatible) -> None
 
 
 def replace_linear_with_lora(lin, partition, r, *args, **kw_args):
-    """Wrap ``lin`` in a LoRA layer (``lin`` is kept, nothing is moved or copied).
-
-    ``in_size``/``out_size`` (SAT's reinit passes ``hidden_size``, wrong for ``attention.dense`` when
-    ``inner_hidden_size`` differs) are accepted and ignored: the layer's own full shape is used.
-    """
+    """Wrap ``lin`` in a LoRA layer; ``in_size``/``out_size`` are ignored for the layer's own full shape."""
     kw_args.pop("in_size", None)
     kw_args.pop("out_size", None)
     out_dim, in_dim = full_shape(lin)
     return lora2.LoraLinear(type(lin), partition, in_dim, out_dim, r, *args, original_obj=lin, **kw_args)
 
 
-
 @torch.no_grad()
 def add_lora_product(weight: torch.Tensor, lin: nn.Module, chunk_bytes: Optional[int] = None) -> None:
-    """``weight[segment i] += scaling * B_i @ A_i`` in place, ``chunk_bytes`` of fp32 rows at a time.
-
-    As stock SAT's merge, the sum is formed in fp32 and then stored in the weight's dtype; the one
-    temporary of weight size is a chunk of those fp32 rows.
-    """
+    """``weight[segment i] += scaling * B_i @ A_i`` in place, summed in fp32, ``chunk_bytes`` of rows at a time."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows_per_chunk = max(1, chunk_bytes // (weight.shape[1] * 4))
     offset = 0
@@ -215,12 +174,7 @@ def add_lora_product(weight: torch.Tensor, lin: nn.Module, chunk_bytes: Optional
 
 
 def merge_linear_lora(lin, chunk_bytes: Optional[int] = None):
-    """Fold the LoRA product into the base layer and return the base layer.
-
-    The base weight is updated in place (no temporary above ``chunk_bytes``); the returned layer is
-    the original object: ColumnParallelLinear/RowParallelLinear/nn.Linear on its own device, with its
-    bias or none. An NF4 base is dequantised, updated and quantised again (whole-tensor steps).
-    """
+    """Fold the LoRA product into the base layer and return it (an NF4 base: dequantised, summed, requantised)."""
     base = lin.original
     if not _is_nf4(base):
         add_lora_product(base.weight, lin, chunk_bytes)
@@ -230,8 +184,6 @@ def merge_linear_lora(lin, chunk_bytes: Optional[int] = None):
     return nf4_linear(weight, base.bias)
 
 
-
- 
 def lora_targets(layer, cross_attention: bool):
     """(owner, attribute, partition) of every linear layer LoRA wraps in a transformer layer."""
     yield layer.attention, "dense", 1
@@ -253,10 +205,8 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def reinit_lora_mixin(mixin, parent_model) -> None:
-    """SAT's ``LoraMixin.reinit`` (sat/model/finetune/lora2.py) with ``qlora=True`` leaves the transformer's
-    other linears float and unquantised until a later ``.cuda()``, cloning each (THUDM/CogVLM#438). Here every
-    target linear of ``mixin.layer_range`` gets its LoRA layer (through ``lora2.replace_linear_with_lora``,
-    patched or not), and with QLoRA the base model's remaining linears are quantised to NF4 at once."""
+    """SAT's ``LoraMixin.reinit`` with QLoRA quantises the other linears only at a later ``.cuda()``
+    (THUDM/CogVLM#438): here they are quantised to NF4 at once."""
     transformer = parent_model.transformer
     for i in mixin.layer_range:
         for owner, name, partition in lora_targets(transformer.layers[i], mixin.cross_attention):

@@ -1,9 +1,6 @@
-"""QLoRA: bitsandbytes NF4 base layers under LoRA, quantised on their own device, one linear at a time.
-
-Stock ``LoraMixin(qlora=True)`` raised ``NameError: cannot access free variable 'dtype'`` and merging
-assumed a bias and dequantised NF4 with ``dequantize_fp4`` (THUDM/CogVLM#438, #257). Here the base is
-quantised to NF4 on its own device, the rest of the transformer's linears are quantised at once, and a
-merge dequantises with ``dequantize_4bit``, adds the product and quantises again.
+"""QLoRA: bitsandbytes NF4 base layers under LoRA, quantised on their own device, one linear at a time
+(stock ``LoraMixin(qlora=True)`` raised ``NameError`` on ``dtype`` and merged NF4 with ``dequantize_fp4``:
+THUDM/CogVLM#438, #257).
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from torch import nn
 
 from ..core import settings
 
-# Elements quantised at a time on CPU: bitsandbytes' CPU ``quantize_4bit`` (pure torch) holds about 11 bytes of
-# temporaries per element of its input, over 100 MB for one LLaMA MLP weight.
+# elements quantised at a time on CPU (bitsandbytes' CPU quantize_4bit holds ~11 bytes of temporaries per element)
 CPU_QUANTIZE_CHUNK = 2 ** 20
 
 
@@ -47,14 +43,8 @@ def nf4_linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
 
 def quantize_nf4_in_chunks(weight: torch.Tensor, blocksize: int, storage: torch.dtype,
                            chunk: Optional[int] = None):
-    """``bitsandbytes.functional.quantize_4bit(weight, blocksize, compress_statistics=True, quant_type="nf4")``,
-    bit for bit, with its temporaries bounded to ``chunk`` elements.
-
-    NF4 quantises every block of ``blocksize`` elements on its own (the block's absmax and its 4-bit
-    codes), so quantising whole blocks a chunk at a time gives the same codes and absmax. Only the
-    double quantisation of the absmax vector looks at all of it (its offset is the mean), and it runs
-    once on the whole, small vector, as bitsandbytes does.
-    """
+    """``bitsandbytes.functional.quantize_4bit(..., compress_statistics=True, quant_type="nf4")`` bit for bit,
+    whole blocks ``chunk`` elements at a time; the absmax vector is double-quantised once, whole."""
     flat, chunk = weight.reshape(-1), chunk or CPU_QUANTIZE_CHUNK
     step = max(blocksize, chunk - chunk % blocksize)
     packed, absmax = [], []
@@ -111,10 +101,8 @@ def qlora_run(args) -> bool:
 
 
 def qlora_base(model: nn.Module) -> List[nn.Module]:
-    """The parts of a model whose float linears QLoRA makes NF4: the transformer and the mixins that
-    extend it (CogVLM's vision experts, LLaMA's gate projections); not a mixin holding a model of its
-    own (CogVLM's EVA vision tower), not the adapters, and not the LM head (LLaMA's ``lm``, ChatGLM2's
-    ``chatglm-final``: a mixin with an ``lm_head``), which QLoRA keeps in the run's dtype as it does the embeddings."""
+    """The parts whose float linears QLoRA makes NF4: the transformer and the mixins extending it; not a mixin
+    holding a model of its own (EVA), the adapters, or the LM head."""
     roots = [model.transformer] if hasattr(model, "transformer") else []
     for name, mixin in getattr(model, "mixins", {}).items():
         if name not in ("lora", "lm") and not hasattr(mixin, "lm_head") \
@@ -124,14 +112,9 @@ def qlora_base(model: nn.Module) -> List[nn.Module]:
 
 
 def nf4_as_loaded(model: nn.Module, args):
-    """For a QLoRA run, the loader's ``after`` callback that turns each float linear of
-    :func:`qlora_base` into NF4 on the compute device as soon as it is loaded, so the float model
-    never exists whole on the device: the peak is the NF4 model plus one linear in float
-    (THUDM/CogVLM#438: QLoRA where LoRA runs out of GPU memory). The later ``LoraMixin(qlora=True)``
-    wraps these NF4 bases as they are; a model whose constructor added ``LoraMixin(qlora=True)`` (built on
-    meta, its LoRA bases still float) has those bases quantised here as they arrive. The callback's
-    ``converts(module)`` tells the loader which modules it converts (their weights are copied, not lent from
-    the mapped file). None for other runs."""
+    """For a QLoRA run, the loader's ``after`` callback that makes each float linear of :func:`qlora_base` NF4
+    as soon as it is loaded, so the float model never exists whole on the device (THUDM/CogVLM#438); its
+    ``converts(module)`` names the modules it converts. None for other runs."""
     qlora_mixin = any(getattr(m, "qlora", False) for m in getattr(model, "mixins", {}).values())
     if not (qlora_run(args) or qlora_mixin) or not hasattr(model, "transformer"):
         return None
@@ -142,7 +125,6 @@ def nf4_as_loaded(model: nn.Module, args):
     done: Dict[int, nn.Module] = {}  # a linear shared by two parents stays shared
 
     def converts(module) -> bool:
-        """Whether ``module`` becomes NF4 once loaded (the loader copies its weights instead of lending them)."""
         return id(module) in inside and isinstance(module, FLOAT_LINEARS) and not isinstance(module, Linear4bit)
 
     def after(module, prefix):

@@ -1,13 +1,6 @@
-"""Every patch of SAT (and of the torch/DeepSpeed functions SAT calls), one module per concern.
-
-A new patch goes into the module of its concern (or a new module listed below): a ``Patch`` record
-in that module's ``PATCHES`` names the target, the replacement factory, a gate on the shape of SAT's
-code and the upstream issue it answers. :mod:`sat_patches.core.registry` applies them in this order.
-
-Several SAT functions carry patches from more than one module. Their order is declared once, in
-:data:`STACKS`, target by target, innermost first, each with the reason for its place; the registry
-applies them in that order whatever the order of :data:`MODULES`, and refuses a shared target that
-is not declared. ``sat-patches status`` prints the stacks.
+"""Every patch of SAT (and of the torch/DeepSpeed functions SAT calls), one module per concern: each ``Patch``
+record names its target, the replacement factory, a gate on SAT's code and the upstream issue it answers.
+Patches sharing a target are ordered in :data:`STACKS` (innermost first, with the reason for each place).
 """
 from ..core.registry import REGISTRY
 

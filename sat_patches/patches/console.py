@@ -1,18 +1,7 @@
-"""A run's console says what changes; SAT's bulk diagnostics go into files of the run directory.
-
-During ``training_main`` SwissArmyTransformer 0.4.12 prints, on rank 0, every argument (about 120
-lines, ``print_args``), and per log interval a ``time (ms) | forward ... | backward ...`` line
-(``Timers.log``) and, once, a CUDA memory line (``report_memory``) that reads all zeros on a CPU
-rank. Between them the few lines a user watches (progress, validation, saves) are hard to find.
-Here, when the run has a directory (``--save``, or ``SAT_PATCHES_LEDGER_DIR``):
-
-* the arguments go to ``arguments.txt`` there and the console gets one line naming it;
-* the interval's timer values go to ``step_times.csv`` there (iteration, then milliseconds per
-  timer), not the console;
-* the memory line is printed only where CUDA is present.
-
-Without a run directory SAT prints as before. ``SAT_PATCHES_DISABLE`` with a patch's name
-(``sat_console_to_files``, ``timers_to_step_times``, ``memory_report_cuda_only``) brings its lines back.
+"""A run's console says what changes; SAT's bulk diagnostics go into files of the run directory (``--save``, or
+``SAT_PATCHES_LEDGER_DIR``): the ~120 argument lines to ``arguments.txt``, the per-interval timer line to
+``step_times.csv``, and the CUDA memory line only where CUDA is present. Without a run directory SAT prints as
+before.
 """
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""One construction context: SAT models, layers and mixins are built on the compute device, in the
-run's dtype, so a rank never holds a full fp32 CPU copy of the model (the host memory of
-THUDM/CogVLM#283 and THUDM/CogVLM#320).
-
-SAT builds on CPU in fp32 wherever a ``device``/``params_dtype`` is not passed down: ``BaseModel``
-passes ``device=torch.device('cpu')`` to ``BaseTransformer`` unless ``--use-gpu-initialization``;
-LLaMA's ``LMMixin``/``LLaMAMlpMixin`` build ``ColumnParallelLinear`` without ``params_dtype``; CogVLM's
-vision-expert mixins default to ``device=torch.device('cpu')`` and fp32. ``get_model`` casts and
-moves only once the whole model exists, so a rank holds a full fp32 CPU copy first.
-
-Instead of an edit per class, :func:`sat_patches.runtime.construction.build_on` is a
-:class:`~torch.overrides.TorchFunctionMode` (the style of accelerate's ``init_on_device``) over tensor factory functions: inside it, a factory call
-that names no device or the CPU allocates on the build device, and a float32 (or default-dtype)
-factory call allocates in the run's dtype. It is entered around every SAT model construction
-(``MetaModel.__call__``: ``get_model``, ``from_pretrained``, models nested in models such as
-CogVLM's EVA-CLIP), around ``BaseModel.add_mixin`` and around ``BaseModel.reinit``.
-
-Not intercepted: ``arange``/``linspace``/``tensor`` (index arithmetic and buffers such as rotary
-``inv_freq`` keep being computed on CPU, as before, and are moved with the model) and tensors a
-caller places on an explicit accelerator device.
+"""One construction context: SAT models, layers and mixins are built on the compute device, in the run's dtype,
+so a rank never holds a full fp32 CPU copy of the model (THUDM/CogVLM#283, #320). SAT builds on CPU in fp32
+wherever no ``device``/``params_dtype`` is passed down; :func:`sat_patches.runtime.construction.build_on` is
+entered around every SAT model construction, ``BaseModel.add_mixin`` and ``BaseModel.reinit``.
 """
 from __future__ import annotations
 

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names, expect_params
+from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..runtime import devices
 from ..runtime.cuda_arch import plain_arch_list
 from ..runtime.deepspeed_config import initialize_distributed_linted
-
-
-def _lint_before_deepspeed(original):
-    """SAT hands ``args.deepspeed_config`` to DeepSpeed first in ``initialize_distributed``."""
-    @functools.wraps(original)
-    def initialize_distributed(*args, **kwargs):
-        return initialize_distributed_linted(original, *args, **kwargs)
-    return initialize_distributed
 
 
 def _build_shm_op(original):
@@ -39,7 +31,7 @@ def _plain_arch_list(original):
 
 
 PATCHES = [
-    Patch("deepspeed_config_lint", "sat.arguments:initialize_distributed", _lint_before_deepspeed,
+    Patch("deepspeed_config_lint", "sat.arguments:initialize_distributed", delegate(initialize_distributed_linted),
           answers="SAT's bundled configs: min_loss_scale 0.01 (DeepSpeed ValidationError); CPU FusedAdam build; "
                   "upstream test_config_bf16.json: top-level offload_optimizer ignored; batch-size arithmetic",
           expect=expect_names("deepspeed_config")),

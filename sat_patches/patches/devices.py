@@ -1,12 +1,5 @@
-"""The patches that remove SAT's hard-coded CUDA calls; what they do is in :mod:`sat_patches.runtime.devices`,
-:mod:`sat_patches.runtime.collectives` and :mod:`sat_patches.checkpoints.saving`.
-
-The device policy they follow (:mod:`sat_patches.runtime.devices`): the compute device is ``cuda:<LOCAL_RANK>``
-when CUDA is available, else ``cpu``; a ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second
-rank on the same GPU. Every rank of a job must agree (checked when the process group is created,
-:func:`sat_patches.runtime.distributed.check_ranks_agree_on_device`). Tests (or ``SAT_PATCHES_DEVICE=meta``)
-point it elsewhere with :func:`sat_patches.runtime.devices.use_device` to prove that allocations follow it
-instead of a hard-coded device.
+"""The patches that remove SAT's hard-coded CUDA calls, following the device policy of
+:mod:`sat_patches.runtime.devices` (also :mod:`sat_patches.runtime.collectives`, :mod:`sat_patches.checkpoints.saving`).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Process group and argument patches: a backend for CPU tensors, and SAT's CPU device check.
-
-SAT creates an NCCL-only process group (``--distributed-backend nccl``) and then runs collectives
-on CPU tensors (parameter sync, model-parallel split): ``RuntimeError: No backend type associated
-with device type cpu`` (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). The policy here gives CPU tensors gloo.
+"""Process group and argument patches: a backend for CPU tensors (THUDM/CogVLM#328,
+THUDM/SwissArmyTransformer#173), and SAT's CPU device check.
 """
 from __future__ import annotations
 

@@ -1,31 +1,10 @@
 """Faults and bad input: dead ranks named, and LoRA/DeepSpeed arguments that cannot work refused.
 
-Bad input, refused before the model is built with a message that says what to change:
-
-* :func:`sat_patches.runtime.checks.check_lora_args` -- LoRA rank <= 0, ``layer_range`` outside the model's
-  layers, ``--use_qlora`` without a working ``bitsandbytes``. Call it right after argument parsing (it reads ``num_layers``
-  from the ``model_config.json`` of ``--from_pretrained`` when given a directory). The patch
-  ``lora_args_check`` runs the same check in ``LoraMixin.__init__`` for scripts that do not call it
-  (upstream's ``finetune_cogvlm_demo.py``): there it stops before any LoRA layer is allocated.
-  Stock SAT takes ``r=0`` to a ``ZeroDivisionError`` (``lora_alpha / r``), a negative rank to a
-  failed ``torch.empty``, and an out-of-range layer index silently adds no LoRA to it.
-* ``deepspeed_config_json``: SAT's ``get_args`` ``json.load``s ``--deepspeed_config`` and a syntax
-  error surfaces as a bare ``JSONDecodeError`` naming no file; now it names the file and line.
-
-Dead ranks: a rank SIGKILLed (host OOM, as in THUDM/CogVLM#283 and THUDM/CogVLM#320) leaves the others waiting in a
-collective for NCCL's/gloo's timeout (30 min by default), or failing with "Connection closed by peer"
-that names nobody. The patch ``rank_heartbeat`` (on ``training_main``) runs a heartbeat thread per
-rank: it bumps ``sat_patches/heartbeat/<rank>`` in the process group's store every
-``timeout / 10`` s and watches every peer's counter. A peer silent for
-``SAT_PATCHES_HEARTBEAT_TIMEOUT`` seconds (default 300) makes this rank print
-"rank N stopped (no heartbeat for X s)", dump its stacks and exit with
-:data:`sat_patches.diagnostics.watchdog.EXIT_CODE`
-(through :func:`sat_patches.diagnostics.watchdog.fire`, which also tells the other ranks). A store that stops
-answering for that long means its host (global rank 0) is gone. A rank finishing ``training_main``
-marks itself done, so a normal end is not mistaken for a death. When a collective fails first
-(gloo notices a closed socket), the failing rank names a peer silent for 3 beats (``timeout / 10``
-each, at most 5 s) and exits; if none is silent it re-raises at once after that wait. Any other error
-of the rank's own (not a lost connection) is raised at once, without that wait.
+* ``lora_args_check``: :func:`sat_patches.runtime.checks.check_lora_args` in ``LoraMixin.__init__`` (stock SAT
+  takes ``r=0`` to a ``ZeroDivisionError`` and silently skips an out-of-range layer).
+* ``deepspeed_config_json``: a bad ``--deepspeed_config`` named with its line, not a bare ``JSONDecodeError``.
+* ``rank_heartbeat``: a SIGKILLed rank (THUDM/CogVLM#283, #320) is named by the others' heartbeat threads
+  (:mod:`sat_patches.diagnostics.heartbeat`) instead of a 30-minute wait.
 """
 from __future__ import annotations
 

@@ -1,50 +1,23 @@
-"""Hang dumps: a collective that does not complete within the collective timeout ends the run on
-every rank with each rank's Python stacks, naming the SAT call it was blocked in, and a non-zero exit
-status -- instead of waiting 30 minutes (gloo) or until someone kills the job, as stock SAT does.
-Torch's own functions stay as they are; SAT's calls that run collectives are wrapped.
+"""Hang dumps: a collective that does not complete within the collective timeout ends the run on every rank
+with each rank's Python stacks, naming the SAT call it was blocked in, and exit status 124, instead of waiting
+30 minutes or until someone kills the job (:mod:`sat_patches.diagnostics.watchdog`).
 
-* ``SAT_PATCHES_COLLECTIVE_TIMEOUT`` (seconds) becomes the timeout of every process group SAT's
-  ``initialize_distributed`` creates: gloo raises "Timed out" after it, NCCL's watchdog aborts.
-  Unset, groups keep torch's default and the watchdog below uses that. Where NCCL can run, torch's NCCL
-  flight recorder is turned on (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``; a
-  value the user set is kept): a timed-out rank writes its last collectives.
-* SAT's functions that run collectives (``initialize_distributed``, the parameter sync of
-  ``setup_model_untrainable_params_and_optimizer``, ``train_step``, ``evaluate``, ``save_checkpoint``'s
-  barriers, ``mpu.broadcast_data``, ``training_main``'s barrier) are recorded as "SAT's X" while they run.
-  A collective in one failing with its group's timeout makes this rank print a header naming the SAT
-  call, dump every thread's stack (``faulthandler``), post the event in the process group's store, and
-  exit with status :data:`sat_patches.diagnostics.watchdog.EXIT_CODE`.
-* Every rank's watchdog thread looks at the rank's threads every poll: a thread inside the same
-  ``torch.distributed`` collective for longer than the timeout (a group created later with torch's
-  30 min, ``send``/``recv``, which gloo does not time out) makes the same report. It also polls the
-  store: when another rank posted, this rank dumps its own stacks (showing what it was doing instead: a
-  rank stuck in preprocessing is named too) and exits with the same status.
-* SIGTERM (torchrun sends it to the other ranks when one fails): faulthandler dumps every thread's stack
-  at once, then the watchdog names the SAT call the rank waited in and exits 143.
-* Backstops that need no Python: ``faulthandler.dump_traceback_later`` (exits at timeout + grace after
-  a collective of the main thread began), and ``faulthandler.enable()`` so NCCL's abort (SIGABRT) prints
-  stacks.
-
-CUDA collectives with NCCL return before they complete; there NCCL's watchdog enforces the timeout
-and the SIGABRT dump and flight recorder apply (not exercised on this project's CPU-only CI).
+``SAT_PATCHES_COLLECTIVE_TIMEOUT`` sets the timeout of the process groups SAT creates; where NCCL can run, its
+flight recorder is turned on. SAT's functions that run collectives are recorded while they run; a rank's
+watchdog thread reports a thread stuck in one collective, and another rank's report in the store. On SIGTERM
+every thread's stack is dumped and the rank exits 143.
 """
 from __future__ import annotations
 
 import functools
 
-from ..core.registry import Patch, expect_names
+from ..core.registry import Patch, delegate, expect_names
 from ..diagnostics.watchdog import enable_nccl_flight_recorder, in_sat_call, start_watchdog
 
 
 def _watched(name: str):
-    """A SAT function that runs collectives, recorded as "SAT's ``name``" while it runs; its collectives'
-    timeouts end the run on every rank (:func:`sat_patches.diagnostics.watchdog.in_sat_call`)."""
-    def make(original):
-        @functools.wraps(original)
-        def watched(*args, **kwargs):
-            return in_sat_call(name, original, *args, **kwargs)
-        return watched
-    return make
+    """A SAT function that runs collectives, recorded as "SAT's ``name``" while it runs (:func:`in_sat_call`)."""
+    return delegate(functools.partial(in_sat_call, name))
 
 
 def _initialize_distributed(original):

@@ -1,27 +1,7 @@
-"""The memory ledger: every rank records its host RSS (now and peak) and CUDA memory (allocated and
-reserved, now and max) at each phase of a SAT run; rank 0 prints the per-rank table, writes it to
-the run directory and flags a rank far above the others: which rank runs out of host or GPU memory, and
-in which phase, is the first question of every multi-GPU out-of-memory report.
-
-Phases, each recorded when the SAT call named returns (patches below):
-
-    start           sat.arguments.initialize_distributed      (after imports and the process group)
-    build           a SAT model is constructed                (MetaModel.__call__, outermost)
-    load            sat.training.model_io.load_checkpoint / BaseModel.from_pretrained
-    split           sat.mpu.operation.mp_split_model_rank0 / mp_split_model_receive (stock MP>1 loading)
-    lora            BaseModel.add_mixin of a LoRA mixin with reinit (LoRA layers injected)
-    deepspeed_init  setup_model_untrainable_params_and_optimizer (parameter sync, deepspeed.initialize)
-    first_step      the first train_step
-    step            every train_step that ends a log interval (args.log_interval)
-
-At the first step and at every log interval the ranks' new rows are gathered to rank 0, which appends
-them to ``memory_ledger.csv`` and rewrites ``memory_ledger.json`` in the run directory
-(``SAT_PATCHES_LEDGER_DIR``, else SAT's ``args.save`` for the run) and prints the table. With
-``SAT_PATCHES_LEDGER_DIR`` each rank also writes its rows the moment it records them
-(``memory_ledger.rank<N>.csv``), so a run killed while building or loading still leaves its ledger.
-``sat-patches report RUN_DIR`` draws it. ``SAT_PATCHES_LEDGER=0`` turns recording off. A ledger that
-fails (its files, its table) is reported once and turned off (:mod:`sat_patches.core.fenced`); training
-goes on.
+"""The memory ledger: every rank records its host RSS and CUDA memory at each phase of a SAT run (start, build,
+load, split, lora, deepspeed_init, first_step, step); rank 0 prints the per-rank table, writes it to the run
+directory (``memory_ledger.csv``/``.json``) and flags a rank far above the others
+(:mod:`sat_patches.diagnostics.ledger`). ``SAT_PATCHES_LEDGER=0`` turns recording off.
 """
 from __future__ import annotations
 

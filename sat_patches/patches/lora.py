@@ -1,10 +1,6 @@
 """Patches binding :mod:`sat_patches.lora` to SAT's ``lora2``: the layer, its injection, merge and QLoRA re-init.
-
-What stock ``lora2`` does: ``LoraLinear.__init__`` builds a second full-size base layer (CPU by default;
-``nn.Linear`` also runs its kaiming init), copies a clone of the original weight into it, and makes
-``matrix_A/B`` with ``torch.empty`` on the CPU; on a ``RowParallelLinear`` it never sums ``x @ A^T``
-over the ranks; ``merge_linear_lora`` returns a plain ``nn.Linear(...).cuda()``; ``qlora=True`` fails with
-a ``NameError``.
+Stock ``lora2`` copies every base layer to the CPU, never sums ``x @ A^T`` over row-parallel ranks, merges into a
+plain ``nn.Linear(...).cuda()``, and fails with a ``NameError`` under ``qlora=True``.
 """
 from __future__ import annotations
 

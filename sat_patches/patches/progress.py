@@ -1,13 +1,6 @@
-"""One short line per logged step, with an ETA, and the run's loss curve.
-
-SAT's ``report_iteration_metrics`` (``sat/training/deepspeed_training.py``) logs, every
-``--log-interval`` steps, one long line (elapsed ms, learning rate, loss in E-notation, samples per
-minute) with no estimate of the time left. Here that line becomes ``iteration 4/20 | loss 6.5213 |
-lr 1.00e-04 | 1.32 s/it | ETA 0:00:21`` (metrics and the fp16 loss scale follow when present);
-SAT's TensorBoard and wandb reporting run as before. Rank 0 also appends the step to
-``loss_curve.csv`` in the run directory (the memory ledger's) and redraws ``loss_curve.png`` there
-when matplotlib is installed. Both are fenced (:mod:`sat_patches.core.fenced`): one that fails is
-reported once and turned off; training goes on.
+"""One short line per logged step, with an ETA (``iteration 4/20 | loss 6.5213 | lr 1.00e-04 | 1.32 s/it |
+ETA 0:00:21``), instead of SAT's long ``report_iteration_metrics`` line; rank 0 also appends the step to
+``loss_curve.csv`` in the run directory and redraws ``loss_curve.png`` (:mod:`sat_patches.diagnostics.progress`).
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""``SAT_PATCHES_TRAINABLE=lora``: only the LoRA adapters train, whatever the script leaves trainable.
-
-SAT asks the model which parameters train (``model.disable_untrainable_params()``, called from
-``setup_model_untrainable_params_and_optimizer``). CogVLM's finetune demos leave more than the
-adapters on (CogVLM: the MLP of EVA layers 46-54, about 0.5 B parameters; CogAgent: the cross
-encoder, both vision experts and the EVA tower), which is what costs 24 GB cards their fit. The
-finetune scripts' ``TRAINABLE=lora`` sets this variable; ``TRAINABLE=demo`` (or unset) keeps the
-script's own choice.
+"""``SAT_PATCHES_TRAINABLE=lora``: only the LoRA adapters train, whatever the script leaves trainable (CogVLM's
+demos also train EVA layers, CogAgent's the cross encoder and vision experts, which costs 24 GB cards their fit).
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """The memory model: what one rank of a run (a :class:`Setup`) holds on its device and on the host.
 
-What one rank holds (bytes; P parameters of the rank's share, T trainable of them, dp data-parallel
-ranks; bf16/fp16 unless fp32):
-
-* weights 2P; trainable gradients 2T (ZeRO-2: 2T/dp); fp32 master copy, fp32 gradients and Adam's
-  two moments 16T/dp for ZeRO-1/2 (18T without ZeRO) -- on the host instead with optimizer offload;
-  fp32 training keeps gradients and Adam moments (12T, ZeRO: /dp).
-* activations: with ``--checkpoint-activations`` each layer's input plus one layer's working set, except
-  SAT's ``checkpoint_skip_layers`` last layers (and the same share of EVA's), which keep their whole working set;
-  else every layer's working set, per kind of layer (the vision-expert LLaMA layer, with CogAgent's cross
-  attention; the EVA2-CLIP-E layer) as measured on the real model at full size
-  (``benchmarks/calibration/layer_bytes.py``, ``benchmarks/plan_calibration.py``); the logits of the full
-  vocabulary on every rank (the LM head gathers them) as the loss's four fp32 tensors; the EVA tower's
-  activations when any of its weights train (LoRA on EVA does).
-* a fixed runtime share: CUDA context, NCCL and allocator slack on a GPU; the Python/torch/SAT/
-  DeepSpeed process on the host.
-
-The host estimate assumes sat_patches: models are built on the GPU in the run's dtype and checkpoints
-are read through mmap in chunks. Stock SwissArmyTransformer 0.4.12 is shown beside it: every rank builds its share in
-fp32 on the CPU and ``torch.load``s the whole checkpoint, and with MP>1 node rank 0 also builds the
-whole model (CogVLM issues 283 and 320, "kill -9").
+Weights, gradients and optimizer states by ZeRO stage and offload; activations per kind of layer (checkpointed
+layers keep their input, SAT's ``checkpoint_skip_layers`` last ones their working set), the logits and loss, and a
+fixed runtime share. The host estimate assumes sat_patches; stock SwissArmyTransformer 0.4.12 is shown beside it
+(every rank builds in fp32 on the CPU and ``torch.load``s the whole checkpoint: THUDM/CogVLM#283, #320).
 """
 from __future__ import annotations
 
@@ -106,11 +90,9 @@ class Estimate:
 
 @dataclass(frozen=True)
 class LayerKeeps:
-    """Values one layer keeps for backward, per token: of the hidden size whole on every model-parallel rank
-    (input, norms, residual, routing copies), of the hidden size split over the ranks (qkv, rotary, context,
-    expert outputs), of its MLP width (split); plus one fp32 log-sum-exp per local head: SAT runs CogVLM's
-    causal and EVA's full attention through ``scaled_dot_product_attention``, whose fused kernels keep no
-    score matrix. Measured on the real model at full size (``benchmarks/calibration/layer_bytes.py``)."""
+    """Values one layer keeps for backward, per token: hidden-size values whole on every model-parallel rank,
+    hidden-size values split over the ranks, MLP-width values (split); plus one fp32 log-sum-exp per local head
+    (fused attention keeps no score matrix). Measured by ``benchmarks/calibration/layer_bytes.py``."""
     whole: float
     split: float
     ffn: float
@@ -120,9 +102,7 @@ class LayerKeeps:
         return tokens * wb * values + tokens * heads / mp * 4
 
 
-# With the base frozen and LoRA on the attention: the vision-expert LLaMA layer keeps three MLP-wide values (the
-# gate, its SiLU, the up projection; the frozen down projection keeps nothing), the EVA2-CLIP-E layer one (the
-# GELU's input). A trained EVA MLP (upstream's demo) also keeps the inputs of its two linears.
+# frozen base, LoRA on the attention; a trained EVA MLP (upstream's demo) also keeps its linears' inputs
 LANGUAGE_LAYER = LayerKeeps(whole=6, split=6, ffn=3)
 EVA_LAYER = LayerKeeps(whole=3, split=6, ffn=1)
 EVA_LAYER_MLP_TRAINED = LayerKeeps(whole=4, split=6, ffn=2)
@@ -133,19 +113,16 @@ ENCODER_LAYER = LayerKeeps(whole=10, split=0, ffn=5)
 
 
 def cross_layer_bytes(c: dict, tokens: int, mp: int, wb: int) -> float:
-    """CogAgent's cross attention in one language layer: the encoder's output as LoRA's input to the keys and
-    values (whole), the keys and values (split), the query side at the text length; the mask is full, so
-    the fused attention keeps no score matrix."""
+    """CogAgent's cross attention in one language layer: the encoder's output (whole), keys and values (split),
+    the query side at the text length."""
     n = cross_tokens(c)
     inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
     return wb * (n * (c["cross_attn_hidden_size"] + 2 * inner / mp) + tokens * (c["hidden_size"] + 2 * inner / mp))
 
 
 def _stack(per_layer: List[float], layer_input: float, checkpointed: int) -> float:
-    """Activations of a stack of layers that keep ``per_layer`` each when ``checkpointed`` of them (the first
-    ones) are: a checkpointed layer keeps its input; the others (SAT's ``checkpoint_skip_layers``, the last)
-    keep their whole working set until backward, which goes through them first and frees it before the first
-    checkpointed layer is recomputed, one at a time."""
+    """Activations of a stack of layers keeping ``per_layer`` each, the first ``checkpointed`` of them keeping
+    only their input (recomputed one at a time after the others' working sets are freed)."""
     kept, recomputed = per_layer[checkpointed:], per_layer[:checkpointed]
     return checkpointed * layer_input + max(sum(kept), max(recomputed, default=0))
 
@@ -168,9 +145,7 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
         if s.train == "demo":
             one += b * EXPERTS_TRAINED.bytes(c["image_length"] + 1, h, f, 0, mp, wb)
     out = {"activations (language)": _stack([one] * L, b * t * h * wb, language_checkpointed)}
-    # the LM head gathers its output (ColumnParallelLinear, gather_output=True): every rank holds the full vocabulary;
-    # at the loss's peak four fp32 (b, t, vocab) tensors are alive: the logits, their shifted copy, the log-softmax
-    # and its gradient (benchmarks/calibration/live_bytes.py on the head and loss, at MP 1 and 2)
+    # the gathered logits on every rank: four fp32 (b, t, vocab) tensors at the loss's peak
     out["logits and loss"] = b * t * c["vocab_size"] * 4 * 4
     e = c.get("eva_args")
     if e:
@@ -185,8 +160,7 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
                                     if eva_trains else eva_layer(EVA_LAYER))
     if c.get("cross_image_pix"):
         enc, n = c["encoder_args"], cross_tokens(c)
-        # the encoder's output, which every layer's cross attention reads; frozen (TRAINABLE=lora), the encoder
-        # keeps nothing else for backward; trained (demo), every layer's values (upstream does not checkpoint it)
+        # the encoder's output; trained (demo), also every encoder layer's values (never checkpointed)
         out["activations (cross branch)"] = b * n * enc["width"] * wb
         if s.train == "demo":
             width = enc["width"]
@@ -195,9 +169,7 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     return out
 
 
-# QLoRA: what ``LoraMixin(qlora=True)`` makes NF4 (the language model's linears and its vision experts;
-# not EVA, the embeddings or the LM head). NF4 holds 4 bits per weight plus, per block of 64, an 8-bit
-# absmax (double quantisation), and per 256 blocks an fp32 scale: 0.5 + 1/64 + 4/16384 bytes.
+# what ``LoraMixin(qlora=True)`` makes NF4; 4 bits a weight, an 8-bit absmax per 64, an fp32 scale per 256 blocks
 QLORA_PARTS = ("language layers", "vision-expert attention", "vision-expert MLP", "cross attention")
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
@@ -241,9 +213,8 @@ def estimate(config: dict, setup: Setup) -> Estimate:
 
 
 def stock_host_per_node(params: float, s: Setup) -> float:
-    """Stock SwissArmyTransformer 0.4.12: each rank builds its share in fp32 on the CPU (``get_model``) and, from an
-    MP=1 checkpoint at MP=1, ``torch.load``s the whole file; at MP>1 node rank 0 also builds the whole
-    model in fp32 and loads the whole checkpoint to send partitions."""
+    """Stock SwissArmyTransformer 0.4.12: each rank builds its share in fp32 on the CPU and loads the whole
+    checkpoint; at MP>1 node rank 0 also builds the whole model to send partitions."""
     base = HOST_BASE_CUDA if s.device == "cuda" else HOST_BASE_CPU
     checkpoint = 2 * params
     if s.mp == 1:

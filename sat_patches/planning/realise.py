@@ -28,9 +28,7 @@ def deepspeed_config(s: Setup) -> dict:
 
 
 def checkpoint_options(s: Setup) -> List[str]:
-    """The trainer options realising ``s``'s checkpointing: SAT's ``--checkpoint-activations`` and
-    ``--checkpoint-skip-layers`` for the language model, upstream's ``--vit_checkpoint_activations`` for EVA
-    (the standalone trainer leaves the same share of EVA's layers out)."""
+    """The trainer options realising ``s``'s checkpointing (language model and EVA)."""
     if not s.checkpoint_activations:
         return []
     skip = ["--checkpoint-skip-layers", str(s.checkpoint_skip_layers)] if s.checkpoint_skip_layers else []

@@ -32,9 +32,8 @@ def model_parallel_sizes(config: dict, world: int) -> List[int]:
 
 
 def _checkpointing(config: dict, setup: Setup, fits) -> List[Setup]:
-    """The checkpointing settings worth timing for ``setup``: every layer checkpointed (the least memory), the
-    most layers left out of it that still ``fits`` (SAT's ``checkpoint_skip_layers``: the fastest with
-    checkpointing; memory grows with it, so a bisection finds it) and none checkpointed."""
+    """The checkpointing settings worth timing: every layer, the most layers left out that still ``fits``
+    (bisected: memory grows with it), and none."""
     def skipping(k: int) -> Setup:
         return replace(setup, checkpoint_activations=True, checkpoint_skip_layers=k)
     low, high = 0, config["num_layers"] - 1          # SAT keeps at least one layer checkpointed
@@ -49,9 +48,7 @@ def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[fl
             gpu: Optional[Card] = None, checkpoint_skip_layers: Optional[int] = None,
             **setup_fields) -> List[Option]:
     """Every (MP, ZeRO, offload, micro-batch, checkpointing) combination, each with its estimate, verdict and
-    predicted step on ``gpu`` (default: the card :func:`sat_patches.planning.timing.card` assumes from
-    ``gpu_mem_gb``). Checkpointing: all layers, the most left out that fit, none (:func:`_checkpointing`);
-    only ``checkpoint_skip_layers`` when given; none with ``checkpoint_activations=False``."""
+    predicted step on ``gpu`` (default: the card assumed from ``gpu_mem_gb``)."""
     gpu = gpu or card(memory_gb=gpu_mem_gb)[0]
     gpu_bytes = gpu_mem_gb * GB * (1 - GPU_MARGIN)
     mps = model_parallel_sizes(config, gpus * nodes)
@@ -91,8 +88,6 @@ def _preference(o: Option):
 
 
 def recommend(opts: List[Option]) -> Optional[Option]:
-    """The viable option without QLoRA if there is one (a bf16 base), with the smallest MP (most data
-    parallelism), then no offload, then the most tokens per second predicted (micro-batch and checkpointing:
-    spare memory spent on speed), then ZeRO-2 (upstream's stage)."""
+    """The viable option preferring no QLoRA, the smallest MP, no offload, the most tokens/s, then ZeRO-2."""
     viable = [o for o in opts if o.viable]
     return min(viable, key=_preference) if viable else None

@@ -1,12 +1,6 @@
-"""The parameters of a CogVLM/CogAgent model's parts, per model-parallel rank, from its ``model_config.json``.
-
-Counted from the models' real component sizes (upstream ``model_config.json`` fields and model code,
-THUDM/CogVLM ``utils/models``): the LLaMA-7B language model, the vision-expert copies of its
-attention and MLP, the EVA2-CLIP-E vision tower and the GLU adapter; CogAgent adds cross attention in
-every layer and the 1120-px EVA2-CLIP-L encoder. ``cogvlm-base-224`` with upstream's LoRA (rank 10 on
-the language model and EVA) counts 17,657,466,368 parameters, the number SAT prints in CogVLM issue
-117. The same counting applies to any ``model_config.json`` (LLaMA-shaped, with or without the
-vision parts), which is how the estimate is checked against the memory ledger on CPU ranks.
+"""The parameters of a CogVLM/CogAgent model's parts, per model-parallel rank, from its ``model_config.json``
+(upstream's fields and model code; ``cogvlm-base-224`` with upstream's LoRA counts 17,657,466,368, as SAT prints).
+Any LLaMA-shaped ``model_config.json`` is counted the same way.
 """
 from __future__ import annotations
 

@@ -1,29 +1,10 @@
-"""Predicted time of one training step, beside the memory estimate: what lets the plan spend spare GPU memory
-on speed (a larger micro-batch, fewer checkpointed layers) instead of leaving it unused.
-
-The model, per rank and per step of ``micro_batch`` samples of ``seq_len`` tokens:
+"""Predicted time of one training step, beside the memory estimate, so the plan can spend spare memory on speed.
 
     seconds = (useful FLOP + recomputed FLOP) / (EFFICIENCY * card's peak) + LAYER_PASS_SECONDS * layer passes
 
-* useful FLOP: the forward pass plus the backward pass's input gradients (the same count again; LoRA's own
-  weight gradients are a rounding error), of the parts gradients flow through. Counted from the shapes the
-  memory estimate reads: every language layer (each token through one expert of CogVLM's vision-expert layers,
-  causal attention; CogAgent's cross attention to its encoder's tokens), the LM head, the EVA2-CLIP tower and
-  its GLU adapter, CogAgent's EVA2-CLIP-L encoder. A frozen part with nothing trainable before it runs forward
-  only (EVA without LoRA under QLoRA, CogAgent's encoder unless upstream's demo set trains it).
-* recomputed FLOP: a checkpointed layer runs its forward again in backward; SAT's ``checkpoint_skip_layers``
-  leaves the last N layers out of that (and the same share of EVA's).
-* the per-step cost: each pass of a layer (forward, backward, recomputation) costs host time to launch its
-  kernels, whatever the micro-batch; at micro-batch 1 it is most of the step.
-
-The card's throughput is an input: :data:`CARDS` (peak dense bf16 tensor TFLOP/s from the vendors' data sheets)
-or a number. The two constants were fitted (least squares) on one H200 measuring full-size CogVLM, LoRA rank
-10, 1288 tokens per sample, with expert routing by image block: micro-batch 8 at every share of checkpointed
-layers and micro-batch 1 without checkpointing; every figure is predicted within 4%
-(``tests/planning/test_plan_timing.py`` holds the table). Not modelled: communication between ranks
-(gradient all-reduce, model-parallel all-reduces), optimizer offload, NF4 dequantisation under QLoRA; the
-plan compares settings within one model-parallel size, ZeRO stage and offload choice, where these are equal
-or nearly so.
+Useful FLOP: forward plus the input gradients of the parts gradients flow through; recomputed FLOP: the forward of
+each checkpointed layer again. The two constants were fitted on an H200 (``tests/planning/test_plan_timing.py``
+holds the table). Communication, offload and NF4 dequantisation are not modelled.
 """
 from __future__ import annotations
 
@@ -69,9 +50,7 @@ def card(name: Optional[str] = None, tflops: Optional[float] = None,
     return nearest, f"assumed from {memory_gb:g} GB"
 
 
-# --------------------------------------------------------------------------------------
-# Rules the memory estimate reads too
-# --------------------------------------------------------------------------------------
+# rules the memory estimate reads too
 def eva_skip_layers(skip: int, layers: int, eva_layers: int) -> int:
     """EVA layers left out of checkpointing when ``skip`` of the language model's ``layers`` are: the same
     share, rounded down, and at most all but one (SAT's bound on ``checkpoint_skip_layers``)."""
@@ -79,8 +58,8 @@ def eva_skip_layers(skip: int, layers: int, eva_layers: int) -> int:
 
 
 def checkpointed_layers(c: dict, s) -> Tuple[int, int]:
-    """Language and EVA layers that keep only their input and run forward again in backward: with
-    ``s.checkpoint_activations``, all but SAT's ``checkpoint_skip_layers`` last ones (EVA: the same share)."""
+    """Checkpointed language and EVA layers: all but SAT's ``checkpoint_skip_layers`` last ones (EVA: the same
+    share), none without ``s.checkpoint_activations``."""
     layers, eva_layers = c["num_layers"], (c.get("eva_args") or {}).get("num_layers", 0)
     if not s.checkpoint_activations:
         return 0, 0
@@ -93,9 +72,7 @@ def eva_trains(c: dict, s) -> bool:
     return bool(c.get("eva_args")) and (s.lora_eva and not s.qlora and s.lora_rank > 0 or s.train == "demo")
 
 
-# --------------------------------------------------------------------------------------
 # FLOP and seconds
-# --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Passes:
     """Forward FLOP of one sample through each part, and the part's layer count."""
@@ -119,8 +96,7 @@ def _attention(queries: float, keys: float, width: float, causal: bool = False) 
 
 
 def forward_passes(c: dict, seq_len: int) -> Passes:
-    """Forward FLOP per sample, from a ``model_config.json`` as :func:`sat_patches.planning.shapes.plan_config`
-    reads it. Every token passes one expert (language or vision), of the same shapes."""
+    """Forward FLOP per sample, from a ``model_config.json`` (every token passes one expert)."""
     h, f, t = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], seq_len
     layer = _linear(t, h, 3 * h) + _linear(t, h, h) + 3 * _linear(t, h, f) + _attention(t, t, h, causal=True)
     head = _linear(t, h, c["vocab_size"])

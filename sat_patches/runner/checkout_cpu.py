@@ -3,21 +3,10 @@
     python -m sat_patches.runner.checkout_cpu prepare --checkout ROOT --kind cogvlm --workdir WORK
     python -m sat_patches.runner.checkout_cpu verify  --checkout ROOT --kind cogvlm --workdir WORK --mp 2
 
-``prepare`` writes, under WORK:
-- ``model/``: a tiny checkpoint in SAT's layout (``model_config.json``, ``latest``,
-  ``1/mp_rank_00_model_states.pt``) built with the checkout's OWN ``utils.models`` classes (imported with
-  the checkout root on ``sys.path``, as its ``finetune_demo`` does), from a config with the released
-  config's keys and small values. The EVA width stays 1792 (upstream's image projector takes 1792
-  features whatever the config says) with few layers; the vocabulary is 1024 (SAT needs at least 1000
-  under model parallelism). Upstream builds its vision experts and gate projections without
-  initialising them, so every parameter of the vision-expert mixins is initialised here before saving.
-- ``tokenizer/``: a small sentencepiece LLaMA tokenizer (pad token ``<unk>``, as vicuna's).
-- ``data/train``, ``data/valid``: CAPTCHA images named ``<label>.jpg``.
-
-``verify`` checks what the demo left behind after training: the training checkpoint with one shard per
-model-parallel rank, and the demo's own merged checkpoint (``checkpoints/merged_lora_cog...``, written
-after ``merge_lora``) with the same shards; it joins the merged shards into one MP=1 checkpoint
-(``merged_mp1/``) and loads that into the checkout's class, strictly, and runs it on one validation image.
+``prepare`` writes under WORK a tiny checkpoint built with the checkout's own ``utils.models`` classes
+(``model/``), a small LLaMA tokenizer (``tokenizer/``) and CAPTCHA images (``data/train``, ``data/valid``).
+``verify`` checks the training checkpoint and the demo's merged one (a shard per model-parallel rank), joins
+the merged shards into ``merged_mp1/``, loads that strictly into the checkout's class and runs one image.
 """
 from __future__ import annotations
 

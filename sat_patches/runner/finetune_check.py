@@ -1,10 +1,5 @@
-"""Checks the finetune scripts run before launching: one clear message, with the fix, per problem.
-
-    python -m sat_patches.runner.finetune_check     # reads the scripts' environment variables
-
-Reads NUM_GPUS_PER_WORKER, MP_SIZE, NNODES, LOCAL_WORLD_SIZE, HOST_FILE, MODEL_TYPE, and
-CPU_RANKS (set for a CPU run: ranks are processes, not GPUs). A GPU run with no GPU to run on gets
-one message naming both ways out: make GPUs visible, or set CPU_RANKS for the CPU run.
+"""Checks the finetune scripts run before launching: one clear message, with the fix, per problem
+(``python -m sat_patches.runner.finetune_check`` reads the scripts' environment variables).
 """
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ from ..cogvlm.shapes import RELEASED, upstream_config
 from ..data.jsonl import check_data_path
 
 
-# attention heads of the language model (MP_SIZE must divide them); upstream model_config.json
 def model_heads_table() -> dict:
-    """Attention heads of every released model name and of the CPU runs' tiny models (one table of shapes:
-    :mod:`sat_patches.cogvlm.shapes`)."""
+    """Attention heads (MP_SIZE must divide them) of every released model and of the CPU runs' tiny models."""
     heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
     heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in NAMES})
     return heads
@@ -121,9 +114,8 @@ def resume_errors(env: dict) -> List[str]:
 
 
 def data_errors(env: dict) -> List[str]:
-    """``TRAIN_DATA`` and ``VALID_DATA`` are usable before anything is launched: a ``.jsonl`` file's records
-    are checked one by one, a folder must hold a readable ``.jpg`` (an empty data set otherwise stops the
-    run inside SAT with a ZeroDivisionError, THUDM/CogVLM#509)."""
+    """``TRAIN_DATA`` and ``VALID_DATA`` usable before launch (an empty data set stops SAT with a
+    ZeroDivisionError, THUDM/CogVLM#509)."""
     return [f"{name}={env[name]}: {problem}" for name in ("TRAIN_DATA", "VALID_DATA") if env.get(name)
             for problem in check_data_path(env[name])]
 

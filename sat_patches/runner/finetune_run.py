@@ -87,7 +87,7 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     if run_mode in ("cpu", "checkout-cpu"):  # the user's data, from where they gave it (the checkout run changes folder)
         env.update({k: os.path.abspath(env[k]) for k in ("TRAIN_DATA", "VALID_DATA") if env.get(k)})
-        tiny = tiny_positions(kind)
+        tiny = int(tiny_config(kind)["max_sequence_length"])  # the tiny model's positions
         if env["MAX_LENGTH"].isdigit() and int(env["MAX_LENGTH"]) > tiny:
             env["MAX_LENGTH"] = str(tiny)  # said by cpu_notes
     if env.get("QLORA") == "1" and not environ.get("MP_SIZE"):
@@ -115,10 +115,8 @@ def read_config(name: str) -> dict:
 
 
 def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
-    """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE`` and the
-    DeepSpeed config's ZeRO stage and offload (and ``MICRO_BATCH``, ``CHECKPOINT_SKIP_LAYERS`` where set): the
-    fastest that fits, on the card assumed from the GPUs' memory. None where the plan cannot tell (no GPU
-    memory figure, a model it does not know, nothing fits)."""
+    """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE``, ZeRO
+    stage and offload; None where the plan cannot tell."""
     memory = gpu_memory_gb()
     if memory is None:
         return None
@@ -138,12 +136,8 @@ def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
 
 
 def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str]:
-    """``CHECKPOINT_ACTIVATIONS=1``: checkpointing (SAT's ``--checkpoint-activations``, upstream's
-    ``--vit_checkpoint_activations`` for EVA) except the last ``CHECKPOINT_SKIP_LAYERS`` language layers (SAT's
-    ``--checkpoint-skip-layers``); by default what the plan chose, which may be none at all where everything fits,
-    and every layer where the plan cannot tell. The standalone trainer leaves the same share of EVA's layers
-    out; a checkout's demo builds EVA with upstream's code, which passes no such setting on, so there the
-    language model's layers only (EVA keeps every layer checkpointed: less memory than planned, not more)."""
+    """``CHECKPOINT_ACTIVATIONS=1``: checkpointing except the last ``CHECKPOINT_SKIP_LAYERS`` language layers;
+    by default what the plan chose, every layer where it cannot tell."""
     if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
         return []
     if env.get("CHECKPOINT_SKIP_LAYERS"):
@@ -152,9 +146,8 @@ def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str
 
 
 def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
-    """The DeepSpeed config the run uses. SAT takes the micro-batch from the config (it overwrites
-    ``--batch-size``), so ``MICRO_BATCH`` (default: the plan's ``choice`` for the detected GPUs, else the
-    config's own) is written into a copy saved beside the run's checkpoints."""
+    """The DeepSpeed config the run uses: SAT takes the micro-batch from it, so ``MICRO_BATCH`` (default: the
+    plan's ``choice``) goes into a copy saved beside the run's checkpoints."""
     source = config_path(name)
     config = read_config(name)
     micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else choice and choice.micro_batch
@@ -185,8 +178,7 @@ def mode(env: Dict[str, str]) -> str:
 
 
 def evaluation_dir(save_dir: str, before: bool = False) -> str:
-    """Where ``EVALUATE=1`` writes ``predictions.jsonl`` and ``summary.json`` (``before``: the CPU demo's
-    evaluation of the untrained model)."""
+    """Where ``EVALUATE=1`` writes its results (``before``: the untrained model's)."""
     return os.path.join(save_dir, "evaluation_before_training" if before else "evaluation")
 
 
@@ -218,9 +210,7 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
 
 
 def resume_options(env: Dict[str, str]) -> List[str]:
-    """``RESUME=<run directory>`` continues that run exactly (``--mode pretrain --load``, which replaces
-    ``--mode finetune``: the later option wins); ``RESUME_ITERATION=N`` from its saved iteration N
-    (both checked by :func:`sat_patches.runner.finetune_check.resume_errors`)."""
+    """``RESUME=<run directory>`` continues that run (``--mode pretrain --load``), ``RESUME_ITERATION=N`` from N."""
     if not env.get("RESUME"):
         return []
     iteration = env.get("RESUME_ITERATION", "")
@@ -245,8 +235,7 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
 
 
 def cpu_launcher() -> List[str]:
-    """The launcher of CPU ranks: torchrun, run by this interpreter (the ranks get the Python, and the
-    sat_patches, that runs the script)."""
+    """torchrun, run by this interpreter."""
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -283,17 +272,14 @@ def hf_export_dir(work: str) -> str:
 
 
 def prepared_for_resume(env: Dict[str, str]) -> bool:
-    """A resumed checkout CPU run (``RESUME``) whose ``WORK_DIR`` holds what the run it continues was prepared
-    with: the same model, tokenizer and data are used again (preparing writes the same files)."""
+    """A resumed checkout CPU run whose ``WORK_DIR`` holds the model, tokenizer and data it was prepared with."""
     work = env["WORK_DIR"]
     return bool(env.get("RESUME")) and os.path.isfile(os.path.join(work, "model", "latest")) and all(
         os.path.isdir(os.path.join(work, *d)) for d in (("tokenizer",), ("data", "train"), ("data", "valid")))
 
 
 def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
-    """Prepare (tiny checkpoint from the checkout's classes, tokenizer, data; not again for a resumed run that has
-    them), train with the checkout's demo on CPU ranks (it merges and saves at the end), then check the shards and
-    reload the merge."""
+    """Prepare (unless resumed), train with the checkout's demo on CPU ranks, then check the shards and merge."""
     work, py = env["WORK_DIR"], sys.executable
     checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
     save = os.path.join(work, "checkpoints")
@@ -333,8 +319,7 @@ TASK_WORDS = {"shapes": "generated coloured shapes", "captcha": "generated CAPTC
 
 
 def cpu_notes(env: Dict[str, str], environ: Dict[str, str], run_mode: str = "cpu") -> List[str]:
-    """What a CPU run (``run_mode`` "cpu" or "checkout-cpu") uses of the user's settings: their data (or the
-    data it generates), and each setting it cannot honour, with why."""
+    """What a CPU run uses of the user's settings, and each setting it cannot honour, with why."""
     generated = TASK_WORDS[GENERATED_DATA[run_mode]]
     notes = [f"{name}: {env[name]}" if env.get(name) else f"{name} not set: {generated} are used"
              for name in ("TRAIN_DATA", "VALID_DATA")]
@@ -347,11 +332,6 @@ def cpu_notes(env: Dict[str, str], environ: Dict[str, str], run_mode: str = "cpu
                      f"SAT_PATCHES_BAD_RECORDS)")
     return notes + [f"{name}={environ[name]} is not used on CPU ranks: {why}"
                     for name, why in NOT_ON_CPU.items() if environ.get(name)]
-
-
-def tiny_positions(kind: str) -> int:
-    """How many tokens the tiny model of a CPU run holds (its language model's ``max_sequence_length``)."""
-    return int(tiny_config(kind)["max_sequence_length"])
 
 
 def cpu_data_errors(env: Dict[str, str], kind: str, run_mode: str) -> List[str]:
@@ -400,11 +380,10 @@ def main(argv=None) -> int:
         commands = checkout_cpu_commands(env, kind)
     else:
         commands = gpu_commands(env, kind, run_mode == "checkout")
-    # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher; torchrun sets its own
-    run_env = env if on_cpu else dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
-    run_env = {k: v for k, v in run_env.items() if not (on_cpu and k == "LOCAL_WORLD_SIZE")}
-    if on_cpu:
-        run_env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks even where GPUs are visible (CPU_RANKS set)
+    if on_cpu:  # torchrun sets LOCAL_WORLD_SIZE; CPU ranks even where GPUs are visible
+        run_env = dict({k: v for k, v in env.items() if k != "LOCAL_WORLD_SIZE"}, CUDA_VISIBLE_DEVICES="")
+    else:  # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher
+        run_env = dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
     if on_cpu:

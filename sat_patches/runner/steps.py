@@ -1,6 +1,5 @@
-"""The steps of a finetune script's run, each a child process: its command line printed (``+ ...``) before it
-starts, a non-zero status stopping the rest. An argument :func:`latest_run_under` wrote names the newest training
-run under a directory, found when its step starts (after training)."""
+"""The steps of a finetune script's run, each a child process printed (``+ ...``) before it starts; a non-zero
+status stops the rest. A :func:`latest_run_under` argument is resolved when its step starts."""
 from __future__ import annotations
 
 import glob

@@ -1,6 +1,4 @@
-"""Arguments that cannot work, refused before the model is built with a message that says what to change:
-:func:`check_lora_args` (LoRA rank, layer range against the checkpoint's layers, a working bitsandbytes for
-QLoRA; the patch ``lora_args_check`` runs it in ``LoraMixin.__init__``) and :func:`check_finetune_args`."""
+"""LoRA arguments that cannot work, refused before the model is built with a message that says what to change."""
 from __future__ import annotations
 
 import os
@@ -54,8 +52,7 @@ def check_lora_args(lora_rank: Optional[int] = None, layer_range: Optional[Seque
 
 
 def check_finetune_args(args) -> None:
-    """:func:`check_lora_args` on a parsed CogVLM/CogAgent finetune namespace (``--lora_rank``,
-    ``--layer_range``, ``--use_qlora``, ``--from_pretrained``); for demos to call before building."""
+    """:func:`check_lora_args` on a parsed CogVLM/CogAgent finetune namespace."""
     if getattr(args, "use_lora", False) or getattr(args, "use_qlora", False):
         check_lora_args(getattr(args, "lora_rank", None), getattr(args, "layer_range", None),
                         use_qlora=getattr(args, "use_qlora", False),

@@ -9,10 +9,8 @@ from .devices import communication_device
 
 
 def broadcast_data(keys, data, datatype):
-    """SAT's ``mpu.broadcast_data`` (sat/mpu/data.py) packs the batch on ``torch.cuda.current_device()``,
-    which fails on CPU ranks. The same broadcast from the model-parallel source rank, on
-    :func:`~sat_patches.runtime.devices.communication_device`: the shapes first (as a Python object), then one
-    flat tensor of every key's data, split again into a dict of views on every rank."""
+    """SAT's ``mpu.broadcast_data`` packs the batch on ``torch.cuda.current_device()``, failing on CPU ranks:
+    the same broadcast (shapes, then one flat tensor) on the communication device."""
     device = communication_device()
     group, src = get_model_parallel_group(), get_model_parallel_src_rank()
     if get_model_parallel_rank() == 0:
@@ -40,9 +38,8 @@ def broadcast_data(keys, data, datatype):
 
 
 def model_parallel_values(value: float):
-    """``value`` of every rank of this rank's model-parallel group, in the group's rank order (one small gather on
-    :func:`~sat_patches.runtime.devices.communication_device`); ``[value]`` without model parallelism (or before
-    SAT set it up). Every rank of the group must call it."""
+    """``value`` of every rank of this rank's model-parallel group, in rank order (``[value]`` without model
+    parallelism); every rank of the group must call it."""
     size = get_model_parallel_world_size() if model_parallel_is_initialized() else 1
     if size == 1:
         return [float(value)]

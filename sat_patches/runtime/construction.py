@@ -18,11 +18,7 @@ from . import devices
 _FACTORIES = frozenset({torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full,
                         torch.rand, torch.randn, torch.randint, torch.eye})
 
-
-_INTEGER_FACTORIES = frozenset({torch.randint})
-
-# in-place draws that leave a meta tensor as it was (it has no values; no generator advances) but that torch runs
-# through a Python reference which imports torch's compiler (``normal_``: 2-3 s of a process's start-up)
+# draws that change nothing on meta, but whose Python reference imports torch's compiler (2-3 s at start-up)
 _META_DRAWS = frozenset({torch.Tensor.normal_, torch.nn.init.normal_})
 
 
@@ -37,7 +33,6 @@ _current: Optional[BuildTarget] = None
 
 
 def current_build() -> Optional[BuildTarget]:
-    """The active :class:`BuildTarget`, or None outside any construction."""
     return _current
 
 
@@ -69,7 +64,7 @@ def _float_result(func, args, kwargs) -> bool:
     dtype = kwargs.get("dtype")
     if dtype is not None:
         return dtype == torch.float32
-    if func in _INTEGER_FACTORIES:
+    if func is torch.randint:
         return False
     if func is torch.full:
         fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
@@ -78,8 +73,7 @@ def _float_result(func, args, kwargs) -> bool:
 
 
 def _called_by_collectives() -> bool:
-    """Tensors torch.distributed/DeepSpeed make for their own messages (SAT may initialise the
-    process group from inside a model's ``__init__``) stay where those libraries put them."""
+    """Tensors torch.distributed/DeepSpeed make for their own messages stay where those libraries put them."""
     caller = sys._getframe(2).f_globals.get("__name__", "")
     return caller.startswith(("torch.distributed", "deepspeed.comm"))
 
@@ -105,12 +99,8 @@ class _BuildMode(TorchFunctionMode):
 
 @contextlib.contextmanager
 def build_on(device=None, dtype: Optional[torch.dtype] = None) -> Iterator[BuildTarget]:
-    """Allocate new tensors on ``device`` (default: the policy's compute device) and float32 ones in
-    ``dtype`` (default: unchanged) inside the block, unless they name another accelerator device.
-
-    Re-entrant: inside an active construction the outermost context decides, so a model built inside
-    another model (EVA-CLIP inside CogVLM) follows the outer model's device and dtype.
-    """
+    """Allocate new tensors on ``device`` (default: the compute device) and float32 ones in ``dtype`` inside
+    the block, unless they name an accelerator device. Re-entrant: the outermost context decides."""
     global _current
     if _current is not None:
         yield _current
@@ -125,9 +115,8 @@ def build_on(device=None, dtype: Optional[torch.dtype] = None) -> Iterator[Build
 
 
 def move_to_build(module: torch.nn.Module, target: Optional[BuildTarget] = None) -> None:
-    """Move ``module``'s CPU parameters (and, unless the target is meta, CPU buffers) built outside a
-    construction context to the build target, keeping each Parameter's attributes (``model_parallel``
-    and friends) and sharing. Float32 tensors take the target dtype."""
+    """Move ``module``'s CPU parameters (and, unless the target is meta, buffers) to the build target, keeping
+    each Parameter's attributes and sharing; float32 tensors take the target dtype."""
     target = target or current_build()
     if target is None:
         return

@@ -1,10 +1,6 @@
-"""CUDA architecture lists as DeepSpeed 0.19's op builders can read them.
-
-PyTorch accepts architecture-specific targets in ``TORCH_CUDA_ARCH_LIST`` (``9.0a`` on Hopper, ``10.0a``,
-``12.0f``), and images built for Hopper set them. DeepSpeed's ``CUDAOpBuilder.compute_capability_args`` sorts
-the list with ``int()`` of each part and stops with ``ValueError: invalid literal for int() with base 10: '0a'``
-before its FusedAdam (the optimizer of every CUDA ZeRO run) is built. Its ops use no architecture-specific
-feature: built for the plain architecture (``9.0``), they run on the same card.
+"""CUDA architecture lists as DeepSpeed 0.19's op builders can read them: DeepSpeed parses ``9.0a`` with
+``int()`` and stops (``invalid literal for int() with base 10: '0a'``) before building FusedAdam; its ops use
+no architecture-specific feature, so the plain architecture (``9.0``) serves.
 """
 from __future__ import annotations
 
@@ -24,10 +20,9 @@ def without_variants(arch_list: Optional[str]) -> Optional[str]:
 
 @contextlib.contextmanager
 def plain_arch_list(builder, cross_compile_archs: Optional[str]) -> Iterator[Optional[str]]:
-    """While a DeepSpeed op builder reads its architectures: ``TORCH_CUDA_ARCH_LIST``, the list ``jit_load``
-    captured from it (``builder._jit_arch_list``) and ``cross_compile_archs`` without variant suffixes. The
-    environment keeps what DeepSpeed writes into it (the list it builds for, kept in sync for PyTorch's own
-    flags); the user's list is put back only where DeepSpeed wrote nothing."""
+    """While a DeepSpeed op builder reads its architectures: the environment's list, the builder's
+    ``_jit_arch_list`` and ``cross_compile_archs`` without variant suffixes; the user's list is put back after
+    unless DeepSpeed wrote its own."""
     given = os.environ.get(ARCH_LIST)
     plain = without_variants(given)
     if plain != given:

@@ -19,23 +19,10 @@ class DeepSpeedConfigError(ValueError):
 
 def lint_deepspeed_config(config: dict, world_size: Optional[int] = None, model_parallel_size: int = 1,
                           batch_size: Optional[int] = None) -> dict:
-    """Fix with a warning, or refuse with :class:`DeepSpeedConfigError`, what a DeepSpeed config gets
-    wrong in ways DeepSpeed rejects or silently ignores:
-
-    - ``fp16.min_loss_scale`` must be an integer (SAT's bundled configs say 0.01): fixed.
-    - ``offload_optimizer`` / ``offload_param`` at the top level are ignored by DeepSpeed (upstream's
-      ``test_config_bf16.json``, SAT's ``deepspeed_zero2.json``): on CUDA ranks moved into
-      ``zero_optimization`` when its stage supports them (1+ / 3), refused otherwise; on CPU ranks
-      dropped (nothing to offload to).
-    - ``train_batch_size`` must equal micro-batch x gradient accumulation x data-parallel ranks
-      (``world_size / model_parallel_size``), and SAT's loader feeds ``batch_size`` per rank:
-      a missing micro-batch is set to it, an inconsistent set of numbers is refused.
-    - On a rank without CUDA, Adam/AdamW runs as ``torch.optim`` (``torch_adam``) instead of a
-      FusedAdam/CPU-Adam that DeepSpeed compiles with g++ on first use (~45 s).
-    - ``checkpoint.load_universal``: DeepSpeed unpickles universal checkpoints in full
-      (``weights_only=False``), so anything such a file names runs: refused unless checkpoints are
-      trusted (``SAT_PATCHES_TRUST_CHECKPOINTS=1``).
-    """
+    """Fix with a warning, or refuse with :class:`DeepSpeedConfigError`: a non-integer ``fp16.min_loss_scale``;
+    a top-level ``offload_optimizer``/``offload_param`` (moved into ``zero_optimization``, dropped on CPU ranks);
+    batch sizes that do not multiply out; Adam without CUDA (``torch_adam``: no compiled optimizer);
+    ``checkpoint.load_universal`` unless checkpoints are trusted (DeepSpeed unpickles them in full)."""
     if (config.get("checkpoint") or {}).get("load_universal") and not safe_load.trusted():
         raise DeepSpeedConfigError(
             f"DeepSpeed config: checkpoint.load_universal is true; DeepSpeed unpickles universal checkpoints in "
@@ -137,8 +124,7 @@ def deepspeed_config_path(args_list=None) -> Optional[str]:
 
 
 def get_args_naming_bad_json(original, args_list=None, parser=None):
-    """SAT's ``get_args`` (sat/arguments.py; ``original``) ``json.load``s ``--deepspeed_config``: a syntax
-    error surfaces as a bare ``JSONDecodeError`` naming neither file nor fix. Here it is a
+    """SAT's ``get_args`` fails on a bad ``--deepspeed_config`` with a bare ``JSONDecodeError``: here a
     :class:`DeepSpeedConfigError` naming the file and line."""
     try:
         return original(args_list, parser)
@@ -150,10 +136,8 @@ def get_args_naming_bad_json(original, args_list=None, parser=None):
 
 
 def initialize_distributed_linted(original, args):
-    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) hands ``args.deepspeed_config`` to
-    DeepSpeed first; SAT's bundled configs and upstream's demo configs hold settings DeepSpeed 0.19 rejects or
-    ignores (``min_loss_scale`` 0.01, a top-level ``offload_optimizer``, batch-size arithmetic). The config is
-    linted (:func:`lint_deepspeed_config`, with the run's world size, MP size and batch size) before that."""
+    """SAT's and upstream's configs hold settings DeepSpeed 0.19 rejects or ignores: linted
+    (:func:`lint_deepspeed_config`) before SAT's ``initialize_distributed`` hands them on."""
     if isinstance(getattr(args, "deepspeed_config", None), dict):
         lint_deepspeed_config(args.deepspeed_config, getattr(args, "world_size", None),
                               getattr(args, "model_parallel_size", 1), getattr(args, "batch_size", None))

@@ -1,8 +1,6 @@
-"""The device policy: where a rank's new tensors belong (``cuda:<LOCAL_RANK>``, else ``cpu``), the device its
-collectives use, and a CUDA synchronize only where the device is CUDA. Tests (or ``SAT_PATCHES_DEVICE=meta``)
-point it elsewhere with :func:`use_device` to prove that allocations follow it instead of a hard-coded device.
-A ``LOCAL_RANK`` beyond the GPUs the node sees is an error, not a second rank on the same GPU, except in the
-debugging mode ``SAT_PATCHES_SHARED_GPU=1`` (:func:`shared_gpu`), where ranks share the GPUs on purpose.
+"""The device policy: where a rank's new tensors belong (``cuda:<LOCAL_RANK>``, else ``cpu``; :func:`use_device`
+or ``SAT_PATCHES_DEVICE`` point it elsewhere), the device its collectives use, a CUDA synchronize only on CUDA.
+More ranks than GPUs is an error, except in the debugging mode ``SAT_PATCHES_SHARED_GPU=1``.
 """
 from __future__ import annotations
 
@@ -57,10 +55,8 @@ def local_world_size() -> int:
 
 
 def shared_gpu() -> bool:
-    """``SAT_PATCHES_SHARED_GPU=1``: the node's ranks share its GPUs (``cuda:<LOCAL_RANK % GPUs>``), a debugging
-    mode whose CUDA collectives go through host copies (:mod:`sat_patches.runtime.host_relay`). Refused where
-    each rank has a card of its own: there NCCL is the faster and the real path. Without CUDA it is on, with
-    nothing to share: the ranks compute on CPU and their collectives still pass through the relay's group."""
+    """``SAT_PATCHES_SHARED_GPU=1``: the node's ranks share its GPUs, their collectives through the host relay;
+    refused where each rank has a card of its own."""
     if not settings.read("SAT_PATCHES_SHARED_GPU"):
         return False
     count = torch.cuda.device_count() if cuda_available() else 0
@@ -110,8 +106,7 @@ def synchronize() -> None:
 
 
 def start_timer(timer) -> None:
-    """SAT's ``Timers.Timer.start`` (sat/training/utils.py) calls ``torch.cuda.synchronize``
-    unconditionally, which fails on CPU runs; this synchronizes only where the device is CUDA."""
+    """SAT's ``Timers.Timer.start`` calls ``torch.cuda.synchronize`` unconditionally, failing on CPU runs."""
     assert not timer.started_, "timer has already been started"
     synchronize()
     timer.start_time = time.time()

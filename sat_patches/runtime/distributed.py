@@ -17,14 +17,9 @@ from . import devices, host_relay
 
 
 def process_group_backend(requested: str = "nccl") -> str:
-    """The backend string to create the process group with, so that CPU tensors have a backend.
-
-    ``gloo``/``ucc``/``mpi`` (they serve CPU) and mapping strings that already name a CPU backend
-    stay as they are. A backend that serves only CUDA (``nccl``, or one registered with
-    ``devices=["cuda"]``) becomes ``cpu:gloo,cuda:<it>``; plain ``nccl`` on a machine without CUDA or
-    NCCL becomes ``gloo``. With ``SAT_PATCHES_SHARED_GPU=1`` (several ranks on one GPU, which NCCL refuses)
-    the host relay takes NCCL's place (:func:`~sat_patches.runtime.host_relay.relayed_backend`), on CPU ranks too.
-    """
+    """The backend to create the process group with, so that CPU tensors have one: a CUDA-only backend
+    becomes ``cpu:gloo,cuda:<it>`` (``gloo`` without CUDA or NCCL); with ``SAT_PATCHES_SHARED_GPU=1`` the host
+    relay takes NCCL's place. Backends that serve the CPU stay as they are."""
     shared = devices.shared_gpu()
     requested = (requested or "nccl").strip()
     if ":" in requested:
@@ -46,8 +41,7 @@ def destroy_group_at_exit() -> None:
 
 
 def _all_gather_text(text: str, size: int = 512) -> list:
-    """Every rank's ``text`` (up to ``size`` bytes), in rank order: one collective on CPU tensors,
-    which every process group here has a backend for."""
+    """Every rank's ``text`` (up to ``size`` bytes), in rank order, over CPU tensors."""
     data = text.encode()[:size]
     mine = torch.zeros(size, dtype=torch.uint8)
     mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
@@ -57,8 +51,7 @@ def _all_gather_text(text: str, size: int = 512) -> list:
 
 
 def _say_device(kind: str, ranks: int) -> None:
-    """Once per job: where it computes (DeepSpeed's own accelerator line is filtered out as noise), and, in
-    the shared-GPU debugging mode, what that costs or that there is no GPU to share."""
+    """Once per job: where it computes, and what the shared-GPU mode costs."""
     why = " (no CUDA device: DeepSpeed runs on its CPU accelerator)" if kind == "cpu" else ""
     print(f"sat_patches: {ranks} rank(s) compute on {kind}{why}", flush=True)
     if devices.shared_gpu():
@@ -70,12 +63,8 @@ def _say_device(kind: str, ranks: int) -> None:
 
 
 def check_ranks_agree_on_device() -> None:
-    """Every rank computes on the same kind of device, or the job stops here, on every rank.
-
-    A rank falls back to CPU only where it sees no CUDA. In a CUDA job that is a node's visibility
-    mistake (a wrong CUDA_VISIBLE_DEVICES, a missing driver), and the rank would join with another
-    backend and compute on its CPU until something times out. CPU on purpose (``SAT_PATCHES_DEVICE=cpu``,
-    the scripts' ``CPU_RANKS``) is that on every rank, so the ranks agree."""
+    """Every rank computes on the same kind of device, or the job stops here on every rank (a rank that sees
+    no CUDA in a CUDA job would compute on its CPU until something times out)."""
     rank, mine = dist.get_rank(), devices.compute_device().type
     if dist.get_world_size() == 1:
         return
@@ -127,10 +116,8 @@ def training_device(args, model_given: bool):
 
 
 def initialize_distributed_with_backend(original, args):
-    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) creates an NCCL-only process group
-    and then runs collectives on CPU tensors: ``No backend type associated with device type cpu``
-    (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). A group it creates gets a backend for each device
-    (:func:`process_group_backend`), and the ranks are checked to agree on their device."""
+    """SAT's NCCL-only group fails on CPU tensors: "No backend type associated with device type cpu"
+    (THUDM/CogVLM#328, THUDM/SwissArmyTransformer#173). A backend for each device; ranks agree on their device."""
     created = not dist.is_initialized()
     if created:
         args.distributed_backend = process_group_backend(getattr(args, "distributed_backend", "nccl"))
@@ -141,12 +128,8 @@ def initialize_distributed_with_backend(original, args):
 
 
 def initialize_distributed_destroyed_at_exit(original, args):
-    """SAT's ``initialize_distributed`` (sat/arguments.py; ``original``) creates the process group and never
-    destroys it. Neither SAT's ``training_main`` nor CogVLM's demos call ``destroy_process_group``. The group
-    then dies during interpreter teardown, and gloo's worker threads can abort the process there
-    (``terminate called without an active exception``, exit code -6, after the run succeeded;
-    pytorch/pytorch#190489). The group SAT creates is destroyed by an ``atexit`` handler instead
-    (:func:`destroy_group_at_exit`), which runs while the interpreter is still whole."""
+    """SAT's ``initialize_distributed`` never destroys its group, which then dies in interpreter teardown where
+    gloo's threads can abort the process (exit -6 after success; pytorch/pytorch#190489): destroyed at exit."""
     created = not dist.is_initialized()
     result = original(args)
     if created and dist.is_initialized():
@@ -156,13 +139,9 @@ def initialize_distributed_destroyed_at_exit(original, args):
 
 
 def get_args_on_compute_device(original, args_list=None, parser=None):
-    """SAT's ``get_args`` (sat/arguments.py; ``original``) sets ``args.device`` to ``LOCAL_RANK`` and refuses
-    any other device: on CPU (``LOCAL_RANK (default 0) and args.device inconsistent``: without CUDA it sets
-    ``args.device = 'cpu'``, then compares it with ``args.local_rank``), and where ranks share a GPU
-    (``SAT_PATCHES_SHARED_GPU=1``: rank 1 on a one-GPU node would ask for ``cuda:1``). While SAT checks (and sets
-    up torch.distributed) both name the compute device; the integer local rank is put back before this returns.
-    Where ranks share a GPU, ``args.device_rank`` names it for DeepSpeed's engine too (it otherwise takes the
-    local rank). Where each rank has its own GPU, SAT's own."""
+    """SAT's ``get_args`` refuses any device but ``LOCAL_RANK`` ("LOCAL_RANK (default 0) and args.device
+    inconsistent" on CPU, or where ranks share a GPU): while SAT checks, both name the compute device; the local
+    rank is put back after, and ``args.device_rank`` names a shared GPU for DeepSpeed's engine."""
     compute = devices.compute_device()
     device = compute.index if compute.type == "cuda" else "cpu"
     if device == devices.local_rank():

@@ -1,23 +1,9 @@
 """Several ranks on one GPU, for debugging: a process group whose CUDA collectives travel through host copies.
 
-NCCL refuses two ranks on one device ("Duplicate GPU detected"), and gloo takes CUDA tensors for broadcast and
-all-reduce only. :class:`HostRelayGroup` is a Python process group (a ``torch.distributed.ProcessGroup``
-subclass, as torch's own ``torch/testing/_internal/distributed/multi_threaded_pg.py``) that carries every
-collective over an inner gloo group: a tensor on the device it relays is copied to the host, the gloo
-collective runs on the copies, and the results are copied back. Each collective therefore costs a device-to-host
-and a host-to-device copy of everything it carries, and runs at gloo's speed: a debugging mode, not a way to train.
-
-The rules NCCL enforces still hold. A collective's tensors must all be on the relayed device (``cuda``), or, in the
-group that also serves the CPU (:data:`NAME`, the mode's ``cpu:gloo,cuda:nccl``), all on the CPU, which go to gloo
-directly. Anything else is refused here, with torch's own message ("No backend type associated with device type
-cpu"), explicitly: a Python process group receives every call, so torch's dispatcher refuses nothing for it, and
-without this check the relay would carry a CPU tensor that NCCL refuses, hiding that class of bug.
-
-The relayed device is a parameter (:func:`register`, ``device``). The mode's value is ``"cuda"``; tests on a
-machine without CUDA register a group relaying ``"cpu"`` instead: every collective then takes the same path
-(host copies, the gloo collective on them, the results copied back, the device check) with tensors they can create.
-
-Nothing happens at import: :func:`register` adds the backends, :func:`relayed_backend` names the one to use.
+NCCL refuses two ranks on one device. :class:`HostRelayGroup` (a Python ``ProcessGroup``) runs every collective
+over an inner gloo group, copying tensors on the relayed device to the host and back: gloo's speed, a debugging
+mode. NCCL's rules still hold: a collective whose tensors the group does not serve is refused with torch's own
+message. Tests relay ``"cpu"`` instead of ``"cuda"`` (:func:`register`), taking the same path.
 """
 from __future__ import annotations
 
@@ -35,10 +21,8 @@ _REDUCING = (AllreduceOptions, ReduceOptions, ReduceScatterOptions)
 
 
 def refuse_unserved(tensors, served) -> None:
-    """A collective goes to the backend of its first tensor's device, as torch's dispatcher sends it, and
-    every tensor it carries must be on that device type (NCCL: "Tensors must be CUDA"). Otherwise raise torch's
-    "No backend type associated with device type X", what a group without a backend for that device (an NCCL
-    group, for the CPU) says, for the first tensor it cannot take."""
+    """Every tensor of a collective on its first tensor's device type, one the group serves; else torch's
+    "No backend type associated with device type X"."""
     kind = tensors[0].device.type if tensors else None
     for t in tensors:
         if t.device.type != kind or kind not in served:
@@ -60,19 +44,14 @@ def _done(result=None):
 
 
 class HostRelayGroup(dist.ProcessGroup):
-    """A process group over an inner gloo group. Tensors on ``device`` are relayed through host copies;
-    CPU tensors go to gloo directly where ``serve_cpu``; any other tensor is refused (:func:`refuse_unserved`).
-
-    Each collective below takes the arguments of the ``ProcessGroup`` method of its name, as torch's
-    ``torch.distributed`` functions call it, and names which of them it writes (its outputs)."""
+    """A process group over an inner gloo group: tensors on ``device`` relayed through host copies, CPU tensors
+    to gloo directly where ``serve_cpu``, anything else refused (:func:`refuse_unserved`)."""
 
     def __init__(self, store, rank: int, size: int, timeout, device: str = "cuda", serve_cpu: bool = True,
                  name: str = NAME):
         super().__init__(rank, size)
         self.gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-        # gloo's full-mesh connect can return on one rank while a peer still completes its side: a rank that
-        # then left at once (a refusal before any collective) closed the sockets under it ("Gloo
-        # connectFullMesh failed ... Connection closed by peer"). The group exists once every rank is connected.
+        # every rank connected before any leaves (else "Gloo connectFullMesh failed ... Connection closed by peer")
         self.gloo.barrier().wait()
         self.device_type = device
         self.served = {device, "cpu"} if serve_cpu else {device}
@@ -87,9 +66,8 @@ class HostRelayGroup(dist.ProcessGroup):
 
     # -- the relay --------------------------------------------------------------------------------------------
     def _run(self, method: str, outputs, inputs, opts, *extra, written: bool = True):
-        """``gloo.<method>(outputs, inputs, *extra, opts)`` (inputs None: ``gloo.<method>(outputs, opts)``, the
-        in-place collectives), through host copies where the tensors are on the relayed device; the host outputs
-        are copied back where ``written`` (a reduce writes its root's only)."""
+        """``gloo.<method>(outputs[, inputs], *extra, opts)``, through host copies where the tensors are on the
+        relayed device; the outputs copied back where ``written``."""
         tensors = _flat(outputs) + (_flat(inputs) if inputs is not None else [])
         refuse_unserved(tensors, self.served)
         opts, average = self._gloo_opts(opts)
@@ -174,8 +152,7 @@ class HostRelayGroup(dist.ProcessGroup):
 
 
 def _host(tensors):
-    """Host copies of ``tensors`` (nested lists kept): always new memory, so that the relay path is the same
-    whether the relayed device is CUDA or, in tests, the CPU."""
+    """Host copies of ``tensors`` (nested lists kept), always new memory."""
     if isinstance(tensors, torch.Tensor):
         return tensors.detach().to("cpu", copy=True)
     return [_host(t) for t in tensors]
@@ -192,13 +169,8 @@ def register(name: str = NAME, device: str = "cuda", serve_cpu: bool = True) -> 
 
 
 def relayed_backend(backend: str) -> str:
-    """The backend that stands in for ``backend`` when ranks share a GPU: NCCL's place taken by the relay.
-
-    ``cpu:gloo,cuda:nccl`` (what :func:`~sat_patches.runtime.distributed.process_group_backend` makes of
-    ``nccl``) becomes :data:`NAME`; a bare ``nccl`` or ``cuda:nccl`` (no CPU backend: CPU tensors are refused, as
-    NCCL refuses them) becomes :data:`CUDA_ONLY`. Torch cannot put a Python process group beside gloo in a
-    ``device:backend`` mapping (a Python group replaces the whole group), so the relay serves the CPU itself,
-    through its gloo. Other backends (``gloo`` alone) stay as they are."""
+    """The backend standing in for ``backend`` when ranks share a GPU: ``cpu:gloo,cuda:nccl`` becomes
+    :data:`NAME` (the relay serves the CPU itself), a bare ``nccl`` or ``cuda:nccl`` :data:`CUDA_ONLY`; others stay."""
     parts = {}
     for part in backend.split(","):
         device, _, name = part.rpartition(":")

@@ -4,7 +4,7 @@ behind a gloo barrier with its own timeout, then on the others; a failure on ran
 from __future__ import annotations
 
 import datetime
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -20,9 +20,6 @@ KEY_PREFIX = "sat_patches/preprocess/"
 
 
 READ_WAIT = 60.0   # at most this long, a failed rank 0 waits for the others to read its error
-
-
-T = TypeVar("T")
 
 
 _group = None
@@ -54,7 +51,7 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
-def rank0_first(run: Callable[[], T], stage: str = STAGE) -> T:
+def rank0_first(run: Callable, stage: str = STAGE):
     """Call ``run()`` on global rank 0, then on every other rank once rank 0 succeeded (see module doc)."""
     global _calls
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:

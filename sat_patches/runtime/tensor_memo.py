@@ -1,17 +1,7 @@
-"""Facts about a batch's tensors worked out once per step, not in every layer.
+"""Facts about a batch's tensors worked out once per step, not in every layer (each answer a host sync).
 
-A layer that asks a question of a mask with a Python ``if`` (is it causal? where are the image tokens?)
-waits for the GPU to answer: a host sync per layer, and again in every layer recomputed under activation
-checkpointing. The answer depends only on the tensor's values, which do not change while the step runs,
-so :class:`TensorMemo` remembers it per tensor, keyed by
-
-* its storage's Python object, which torch keeps for exactly as long as the memory lives (a detached
-  copy, as activation checkpointing hands to the recomputed layers, shares it), held weakly: the memo
-  keeps no tensor alive, and an entry goes with its memory, so a later tensor at the same address is
-  never mistaken for it;
-* its view (offset, shape, stride, dtype) and its version counter, which any in-place write bumps.
-
-One entry per storage (the latest view asked about): a step asks each memo about one mask.
+:class:`TensorMemo` remembers an answer per tensor, keyed by its storage (held weakly: an entry goes with its
+memory; a detached copy shares it) and its view and version counter (any in-place write bumps it).
 """
 from __future__ import annotations
 
@@ -45,6 +35,3 @@ class TensorMemo(Generic[T]):
         self.computed += 1
         self._entries[storage] = (key, value)
         return value
-
-    def clear(self) -> None:
-        self._entries.clear()

@@ -25,10 +25,8 @@ def adapters_only(model) -> int:
 
 
 def setup_with_trainable_setting(original, args, model, config_params=None):
-    """SAT's ``setup_model_untrainable_params_and_optimizer`` (sat/training/deepspeed_training.py; ``original``)
-    asks the model which parameters train (``model.disable_untrainable_params()``); CogVLM's finetune demos
-    leave far more than the LoRA adapters on. With ``SAT_PATCHES_TRAINABLE=lora`` the model's answer is
-    followed by :func:`adapters_only`: only the adapters train."""
+    """CogVLM's demos train far more than the LoRA adapters: with ``SAT_PATCHES_TRAINABLE=lora`` the model's
+    ``disable_untrainable_params`` is followed by :func:`adapters_only`."""
     if setting() == "lora":
         scripts_choice = getattr(model, "disable_untrainable_params", None)
 
