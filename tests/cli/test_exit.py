@@ -1,4 +1,4 @@
-"""The verbs' processes (``python -m sat_patches.merge`` and the like) exit as Python does, with their status: the
+"""The verbs' processes (``python -m sat_patches merge`` and the like) exit as Python does, with their status: the
 exit handlers and the interpreter's teardown run. Nothing in the library ends its process with ``os._exit`` but the
 hang watchdog's fault path."""
 import os

@@ -258,34 +258,6 @@ def test_mixins_follow_requested_dtype_and_device():
     assert dtypes and set(dtypes.values()) == {torch.bfloat16}, {n for n, d in dtypes.items() if d != torch.bfloat16}
 
 
-META_BUILD = """
-import sys
-assert "torch._dynamo" not in sys.modules, "this process imported torch's compiler before the build"
-import sat_patches, torch
-from sat.arguments import _simple_init
-from sat_patches.cogvlm import model_class_for, tiny_args
-from sat_patches.runtime.construction import build_on
-_simple_init(model_parallel_size=1, seed=1)
-for kind in ("cogvlm", "cogagent"):
-    with build_on("meta", torch.bfloat16):
-        model = model_class_for(kind)(tiny_args(kind), params_dtype=torch.bfloat16)
-    assert {p.device.type for p in model.parameters()} == {"meta"}
-print("BUILT, torch._dynamo imported:", "torch._dynamo" in sys.modules)
-"""
-
-
-@pytest.mark.slow
-def test_a_model_built_on_meta_imports_no_compiler():
-    """``merge``, ``export`` and ``verify`` build the model on meta. Meta arithmetic runs in torch's Python
-    reference kernels, whose first call imports torch._dynamo (1.5-2 s of such a verb on a CPU machine): the
-    vision-expert attention computes its rotary ``inv_freq`` on the CPU, as upstream does, and places it."""
-    from multirank import run_fresh
-    from sat_patches.core.ports import free_port
-    out = run_fresh(META_BUILD, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "BUILT, torch._dynamo imported: False" in out.stdout, out.stdout[-2000:]
-
 
 # ----------------------------------------------------------------------------------------------
 # model_config.json and checkpoint folder round trip

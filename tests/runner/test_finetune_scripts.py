@@ -293,5 +293,5 @@ def test_cogagent_cpu_run_on_the_users_records_merges_and_reloads_with_equal_out
     losses, before, _, predictions, _ = assert_the_demo_ran(out, work, iters=10, log_interval=1)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     assert f"note: TRAIN_DATA: {data}" in out.stdout and f"--train-data {data} " in out.stdout
-    assert re.search(r"^\+ .* -m sat_patches\.finetune train .* --evaluate-max-new-tokens 4( |$)", out.stdout, re.M)
+    assert re.search(r"^\+ .* -m sat_patches finetune train .* --evaluate-max-new-tokens 4( |$)", out.stdout, re.M)
     assert int(before.group(2)) == 6 and [p["id"] for p in predictions][0] == UNIQUE, predictions
