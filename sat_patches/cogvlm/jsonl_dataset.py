@@ -1,18 +1,8 @@
 """A JSON Lines conversation dataset for CogVLM and CogAgent, and the ``create_dataset_function`` that picks it.
 
-Records (format and checks: :mod:`sat_patches.data.jsonl`) become items exactly like ``ItemDataset``'s:
-the image inputs under ``vision`` (and ``cross`` for CogAgent) plus the text processor's output, so
-``data_collator`` and the models take them unchanged. Each sample's prompt is rendered with the tokenizer's
-template (``base``, ``chat``, ``vqa``, ``chat_old``: upstream's ``history_to_prompt``) from its history and
-query; the text processor puts the loss on the answer tokens only (everything before them is -100).
-
-A sample whose text would not fit ``max_length`` is a problem like any other (the processor would drop
-it, or cut its answer short, in the middle of training): it is found when the dataset is built, named by
-``file:line``, and refused or skipped by ``SAT_PATCHES_BAD_RECORDS``.
-
-A fork's demo uses it with upstream's signature::
-
-    from sat_patches.cogvlm import create_dataset_function   # a .jsonl path or a <label>.jpg folder
+Records (format and checks: :mod:`sat_patches.data.jsonl`) become items like ``ItemDataset``'s, the prompt
+rendered with the tokenizer's template from the sample's history and query. A sample whose text would not
+fit ``max_length`` is a problem like any other: named by ``file:line`` when the dataset is built.
 """
 from __future__ import annotations
 
@@ -48,7 +38,7 @@ def length_problem(text_processor, prompt: str, answer: str) -> Optional[str]:
 class JsonlDataset(ItemDataset):
     """``JsonlDataset(image_processor, text_processor, args, path, cross_image_processor=None)``."""
 
-    def _load(self, path: str, validate: bool) -> List[Sample]:
+    def _load(self, path: str) -> List[Sample]:
         samples, problems = read_samples(path)
         fitting = []
         for sample in samples:
