@@ -1,17 +1,9 @@
 """EVA2-CLIP-L high-resolution encoder of CogAgent's cross-attention branch (plain torch).
 
-Mirrors CogVLM ``utils/models/eva_clip_L_hf.py`` (``Eva2LargeEncoder`` -> ``EVAVisionTransformer``
-with sub-LN attention, SwiGLU MLP, 2-D rotary embedding on the patch tokens, no rel-pos bias) and
-the ``ExternalVisionModel`` wrapper of ``utils/models/cogagent_model.py``. Module and parameter
-names are upstream's: ``vit.model.patch_embed.proj``, ``vit.model.cls_token``, ``vit.model.pos_embed``,
-``vit.model.rope.freqs_{cos,sin}`` (buffers; every block's ``attn.rope`` is the same module, as
-upstream, so they appear once per block in the state dict), ``vit.model.blocks.<i>.{norm1,attn,norm2,
-mlp}``, ``vit.model.norm``, ``vit.model.head``, and the wrapper's ``pos_embed``.
-
-As upstream, the forward pass skips the last block and returns the patch tokens (no final norm, no
-head): the checkpoint is "drop last layer". The sizes upstream hard-codes (width 1024, 24 layers,
-head width 64, MLP ratio 2.6667, patch 14, embed dim 768) are :data:`EVA_CLIP_L_DEFAULTS`, and a
-config may override them through ``encoder_args`` so a tiny CogAgent can be built.
+Mirrors CogVLM ``utils/models/eva_clip_L_hf.py`` and the ``ExternalVisionModel`` wrapper of
+``utils/models/cogagent_model.py``, with upstream's module and parameter names. As upstream, the forward pass
+skips the last block and returns the patch tokens. ``encoder_args`` may override the sizes upstream hard-codes
+(:data:`EVA_CLIP_L_DEFAULTS`), so a tiny CogAgent can be built.
 """
 from __future__ import annotations
 
@@ -26,7 +18,6 @@ from sat.model.base_model import BaseMixin
 
 from .placement import Placement, make_module, zeros_parameter
 from .shapes import EVA_CLIP_L_DEFAULTS
-
 
 
 def encoder_config(encoder_args: Optional[dict]) -> dict:
@@ -183,7 +174,6 @@ class EvaLargeEncoder(nn.Module):
 
     def __init__(self, image_size: int, cfg: dict, placement: Placement):
         super().__init__()
-        self.config = {"vision_cfg": dict(cfg, image_size=image_size)}
         self.model = EvaVisionTower(image_size, cfg, placement)
 
     def forward(self, images):
@@ -201,7 +191,6 @@ class ExternalVisionModel(BaseMixin):
         placement = Placement.resolve(params_dtype, device, skip_init)
         self.vit = EvaLargeEncoder(cross_image_pix, cfg, placement)
         self.pos_embed = zeros_parameter(placement, (cross_image_pix // cfg["patch_size"]) ** 2, cfg["width"])
-        self.width = cfg["width"]
 
     def forward(self, image=None, images=None, **unused):
         pixels = image if image is not None else images

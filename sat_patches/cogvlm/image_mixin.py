@@ -1,15 +1,7 @@
-"""The ``eva`` mixin: EVA2-CLIP tower + GLU projector whose output replaces the image placeholder
-tokens of the language model's input embedding.
-
-Mirrors ``GLU``, ``override_dist_dtype_device_args`` and ``ImageMixin`` of CogVLM
-``utils/models/cogvlm_model.py`` and ``utils/models/cogagent_model.py`` (CogAgent's variant adds a
-learned ``pos_embed`` to the image features before the projector). Parameter names are upstream's:
-``mixins.eva.vit_model...``, ``mixins.eva.linear_proj.{linear_proj,norm1,dense_h_to_4h,gate_proj,
-dense_4h_to_h}``, ``mixins.eva.{boi,eoi}`` and, for CogAgent, ``mixins.eva.pos_embed``.
-
-Differences: the projector's input width is the EVA config's ``hidden_size`` (upstream hard-codes
-1792), so smaller towers work; the tower and projector are built in the model's dtype/device.
-"""
+"""The ``eva`` mixin: EVA2-CLIP tower + GLU projector whose output fills the image slots of the language
+model's input embedding (upstream ``GLU``, ``override_dist_dtype_device_args`` and ``ImageMixin``, with
+their parameter names; CogAgent's variant adds ``pos_embed``). The projector's input width is the EVA
+config's ``hidden_size`` (upstream hard-codes 1792), so smaller towers work."""
 from __future__ import annotations
 
 import argparse

@@ -1,11 +1,6 @@
-"""Where and how new parameters of the CogVLM parts are made: dtype, device, initialisation.
-
-Upstream's mixins (CogVLM ``utils/models/mixin.py``, ``cogvlm_model.py``) default to
-``params_dtype=torch.float, device=torch.device('cpu')`` and build ``nn.Linear``/``nn.LayerNorm``
-without either, so a bf16 GPU model is first built as fp32 on the host. Here every part takes
-``params_dtype``, ``device`` and ``skip_init``; the models pass what their SAT transformer was built
-with, so all parameters of one model start on one device in one dtype.
-"""
+"""Where and how new parameters of the CogVLM parts are made: every part takes ``params_dtype``, ``device``
+and ``skip_init`` (upstream builds fp32 on the host), so all parameters of one model start where its SAT
+transformer was built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
