@@ -112,19 +112,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, image_size, patch_size, in_chans, dim, placement: Placement):
-        super().__init__()
-        self.image_size = image_size
-        self.proj = make_module(placement, nn.Conv2d, in_chans, dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x):
-        if x.shape[-2:] != (self.image_size, self.image_size):
-            raise ValueError(f"cross image is {tuple(x.shape[-2:])}, the encoder was built for "
-                             f"{self.image_size}x{self.image_size} (cross_image_pix)")
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
 class EvaVisionTower(nn.Module):
     """Upstream ``EVAVisionTransformer`` at CogAgent's settings."""
 
@@ -136,7 +123,9 @@ class EvaVisionTower(nn.Module):
         grid = image_size // patch
         num_heads = dim // cfg["head_width"]
         eps = cfg["layernorm_epsilon"]
-        self.patch_embed = PatchEmbed(image_size, patch, 3, dim, placement)
+        self.image_size = image_size
+        self.patch_embed = nn.ModuleDict({"proj": make_module(placement, nn.Conv2d, 3, dim, kernel_size=patch,
+                                                              stride=patch)})
         self.cls_token = zeros_parameter(placement, 1, 1, dim)
         self.pos_embed = zeros_parameter(placement, 1, grid * grid + 1, dim)
         self.rope = VisionRotary(dim // num_heads // 2, cfg["pt_hw_seq_len"], grid, placement)
@@ -162,7 +151,11 @@ class EvaVisionTower(nn.Module):
                 block.mlp.w3.weight.div_(math.sqrt(2.0 * depth))
 
     def forward(self, image):
-        x = self.patch_embed(image.to(self.patch_embed.proj.weight.dtype))
+        if image.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"cross image is {tuple(image.shape[-2:])}, the encoder was built for "
+                             f"{self.image_size}x{self.image_size} (cross_image_pix)")
+        proj = self.patch_embed["proj"]
+        x = proj(image.to(proj.weight.dtype)).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for block in self.blocks[:-1]:  # the last block is dropped, as upstream
             x = block(x)

@@ -35,21 +35,17 @@ class GLU(nn.Module):
         return self.dense_4h_to_h(self.act2(self.gate_proj(x)) * self.dense_h_to_4h(x))
 
 
-_RUN_ARGS = ("world_size", "rank", "local_rank", "skip_init", "use_gpu_initialization", "deepspeed",
-             "bf16", "fp16", "mode", "device")
 _RUN_DEFAULTS = {"world_size": 1, "rank": 0, "local_rank": 0, "skip_init": False,
                  "use_gpu_initialization": False, "deepspeed": False, "bf16": False, "fp16": False,
                  "mode": "inference", "device": "cpu"}
 
 
 def vision_args(args, eva_args: dict) -> argparse.Namespace:
-    """The EVA tower's arguments: the checkpoint's ``eva_args`` plus the run's distributed/dtype/device
-    settings (upstream ``override_dist_dtype_device_args``). Outside inference the tower uses
-    ``--vit_checkpoint_activations`` when given and no dropout, leaving its last
-    ``--vit_checkpoint_skip_layers`` layers out of checkpointing (default: the same share of its layers as SAT's
-    ``--checkpoint-skip-layers`` leaves out of the language model's; upstream's tower has no such setting).
-    ``args.eva_args`` is not modified (upstream writes ``model_parallel_size`` into it)."""
-    run = {k: getattr(args, k, _RUN_DEFAULTS[k]) for k in _RUN_ARGS}
+    """The EVA tower's arguments (a copy): the checkpoint's ``eva_args`` plus the run's distributed/dtype/device
+    settings (upstream ``override_dist_dtype_device_args``). Outside inference: no dropout, checkpointing per
+    ``--vit_checkpoint_activations``, and its last ``--vit_checkpoint_skip_layers`` layers not checkpointed
+    (default: the share ``--checkpoint-skip-layers`` leaves out of the language model)."""
+    run = {k: getattr(args, k, default) for k, default in _RUN_DEFAULTS.items()}
     if run["mode"] != "inference":
         run["checkpoint_activations"] = getattr(args, "vit_checkpoint_activations",
                                                 getattr(args, "checkpoint_activations", False))

@@ -1,13 +1,7 @@
-"""CogVLM and CogAgent as SAT models (registered in SAT's model registry by class name).
-
-Mirrors ``CogVLMModel``/``FineTuneTrainCogVLMModel`` of CogVLM ``utils/models/cogvlm_model.py`` and
-``CogAgentModel``/``FineTuneTrainCogAgentModel`` of ``utils/models/cogagent_model.py``: a LLaMA
-language model whose ``mlp`` and ``rotary`` mixins are the vision-expert ones, an ``eva`` mixin
-(EVA2-CLIP + GLU) filling the image slots of the input, and for CogAgent an ``encoder`` mixin (the
-EVA2-CLIP-L high-resolution encoder) feeding SAT's per-layer cross attention
-(``is_decoder``, ``cross_attn_hidden_size``, ``cross_hidden_size_per_attention_head``).
-
-State-dict keys and ``model_config.json`` fields are upstream's, so the released SAT checkpoints load.
+"""CogVLM and CogAgent as SAT models (upstream ``utils/models/cogvlm_model.py``, ``cogagent_model.py``): a LLaMA
+whose ``mlp`` and ``rotary`` mixins have vision experts, an ``eva`` mixin filling the image slots, and for
+CogAgent an ``encoder`` mixin feeding SAT's cross attention. State-dict keys and ``model_config.json``
+fields are upstream's, so the released SAT checkpoints load.
 """
 from __future__ import annotations
 

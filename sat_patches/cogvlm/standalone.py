@@ -1,10 +1,8 @@
-"""Standalone CogVLM / CogAgent LoRA fine-tuning on SAT (no CogVLM checkout needed): ``sat-patches finetune
-prepare|train|verify`` (also ``python -m sat_patches finetune``, :mod:`sat_patches.cli.finetune`).
+"""Standalone CogVLM / CogAgent LoRA fine-tuning on SAT: ``sat-patches finetune prepare|train|verify``.
 
-Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (same options, data layout,
-loss and LoRA placement) on the models of :mod:`sat_patches.cogvlm`. :func:`train` is what every rank
-runs; ``--probe FILE`` records the trained model's logits on one fixed validation batch, and
-:func:`compare_with_probe` reloads the merged MP=1 model and compares its logits with them.
+Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (options, data layout, loss, LoRA
+placement) on the models of :mod:`sat_patches.cogvlm`. ``--probe FILE`` records the trained model's logits
+on one validation batch; :func:`compare_with_probe` compares the merged MP=1 model's with them.
 """
 from __future__ import annotations
 
