@@ -1,11 +1,7 @@
-"""Prompt templates and the training-time text processor of CogVLM.
+"""Prompt templates and the training-time text processor of CogVLM (upstream ``utils/utils/language.py``).
 
-Mirrors ``*_history_to_prompt`` and ``llama2_text_processor`` of CogVLM ``utils/utils/language.py``:
-``<EOI>`` in a prompt marks the image; it becomes ``image_length + 2`` slots (boi, image tokens,
-eoi) that the ``eva`` mixin fills. The processor returns ``input_ids``, ``labels`` (-100 on the
-prompt, the image slots and the padding), ``position_ids`` (all image tokens share one position),
-a causal ``attention_mask`` (1, 1, L, L), ``image_embed_mask``, ``vision_expert_mask`` (boi + image),
-``image_rope_mask``, ``context_length`` and ``image_position``, padded to ``max_target_length``.
+``<EOI>`` in a prompt marks the image: ``image_length + 2`` slots (boi, image tokens, eoi) that the ``eva``
+mixin fills. The processor returns upstream's tensors, padded to ``max_target_length``.
 """
 from __future__ import annotations
 

@@ -13,11 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from sat import mpu
 from sat.model.base_model import BaseMixin
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
-from sat.mpu.utils import divide, split_tensor_along_last_dim
+from sat.mpu.utils import split_tensor_along_last_dim
 from sat.transformer_defaults import attention_fn_default
 
 from ..runtime.tensor_memo import TensorMemo
@@ -60,8 +59,6 @@ class LlamaVisionExpertFCMixin(BaseMixin):
                  init_method=None, output_layer_init_method=None):
         super().__init__()
         place = Placement.resolve(params_dtype, device, skip_init, init_method, output_layer_init_method)
-        self.num_layers = num_layers
-        self.num_vision_layers = num_vision_layers
         self.vision_layer_range = vision_layers(num_layers, num_vision_layers, vision_layer_range)
 
         def column(name):
@@ -100,18 +97,10 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                  init_method=None, output_layer_init_method=None):
         super().__init__()
         place = Placement.resolve(params_dtype, device, skip_init, init_method, output_layer_init_method)
-        world_size = mpu.get_model_parallel_world_size()
-        self.hidden_size = hidden_size
-        self.num_attention_heads = num_heads
-        self.hidden_size_per_attention_head = divide(hidden_size, num_heads)
-        self.num_attention_heads_per_partition = divide(num_heads, world_size)
-        self.inner_hidden_size = num_heads * self.hidden_size_per_attention_head
         # upstream: pos_idx_in_fp32=False. inv_freq is computed on the CPU, then placed (on meta its arithmetic
         # would import torch._dynamo)
         self.rotary_emb = FastRotaryEmbedding(hidden_size // num_heads, pos_idx_in_fp32=False,
                                               device="cpu").to(place.device)
-        self.num_vision_layers = num_vision_layers
-        self.num_layers = num_layers
         self.vision_layer_range = vision_layers(num_layers, num_vision_layers, vision_layer_range)
         self.use_vision_expert = use_vision_expert
         if use_vision_expert:
@@ -119,7 +108,7 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                 hidden_size, 3 * hidden_size, stride=3, gather_output=False, bias=False,
                 module=self, name="vision_query_key_value", **place.parallel_kwargs()))
             self.vision_dense_list = _expert_dict(self.vision_layer_range, lambda: RowParallelLinear(
-                self.inner_hidden_size, hidden_size, input_is_parallel=True, bias=False, final_bias=False,
+                hidden_size, hidden_size, input_is_parallel=True, bias=False, final_bias=False,
                 module=self, name="vision_dense", **place.parallel_kwargs(output_layer=True)))
 
     def attention_forward(self, hidden_states, mask, **kw_args):
