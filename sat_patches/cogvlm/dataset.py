@@ -87,12 +87,11 @@ class ItemDataset(Dataset):
         return {**item, **text, "question_id": question_id}
 
 
-def _as_tensor(value):
-    if isinstance(value, list):
-        return torch.tensor(value)
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    return value
+def _batched(values):
+    """Tensors (lists and arrays made tensors) concatenated on dim 0; anything else: the last value."""
+    values = [torch.tensor(v) if isinstance(v, list) else torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+              for v in values]
+    return torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
 
 
 def data_collator(examples, cross_image_processor=None) -> dict:
@@ -103,14 +102,7 @@ def data_collator(examples, cross_image_processor=None) -> dict:
     if not examples:
         raise ValueError("data_collator: every item of the batch was empty (unreadable or too long)")
     groups = ["vision"] + (["cross"] if cross_image_processor is not None else [])
-    batch = {}
-    for group in groups:
-        for key, value in examples[-1][group].items():
-            values = [_as_tensor(ex[group][key]) for ex in examples]
-            batch[f"{group}_{key}"] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
-    for key in examples[-1]:
-        if key in ("vision", "cross"):
-            continue
-        values = [_as_tensor(ex[key]) for ex in examples]
-        batch[key] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
+    batch = {f"{group}_{key}": _batched([ex[group][key] for ex in examples])
+             for group in groups for key in examples[-1][group]}
+    batch.update({key: _batched([ex[key] for ex in examples]) for key in examples[-1] if key not in ("vision", "cross")})
     return batch

@@ -34,13 +34,10 @@ class Placement:
 
     @classmethod
     def of_transformer(cls, transformer, skip_init: bool) -> "Placement":
-        """The placement a SAT ``BaseTransformer`` was built with (its word embedding's dtype and
-        device, its init methods)."""
+        """The placement a SAT ``BaseTransformer`` was built with (its word embedding's dtype and device)."""
         weight = transformer.word_embeddings.weight
-        return cls(weight.dtype, weight.device, bool(skip_init),
-                   getattr(transformer, "init_method", None) or unscaled_init_method(0.02),
-                   getattr(transformer, "output_layer_init_method", None)
-                   or getattr(transformer, "init_method", None) or unscaled_init_method(0.02))
+        return cls(weight.dtype, weight.device, bool(skip_init), transformer.init_method,
+                   transformer.output_layer_init_method)
 
     @property
     def factory(self) -> dict:

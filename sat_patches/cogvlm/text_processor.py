@@ -105,7 +105,6 @@ class TextProcessor:
         attention_mask = np.tril(np.ones((self.max_target_length, self.max_target_length), dtype=np.int64))
         starts = np.ones(self.max_target_length, dtype=np.int64)
         starts[1:] = (image_rope[1:] == 0) | (image_rope[1:] != image_rope[:-1])
-        starts[0] = 1
         position_ids = np.cumsum(starts) - 1
 
         as_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).unsqueeze(0)  # noqa: E731
