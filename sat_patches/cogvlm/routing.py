@@ -53,16 +53,10 @@ class ExpertRouting:
         if self.kind == "vision":
             return vision(x)
         if self.kind == "block":
-            return self._apply_block(x, language, vision)
-        return self._apply_index(x, language, vision)
-
-    def _apply_block(self, x, language, vision):
-        s, e = self.start, self.end
-        lang = language(torch.cat([x[:, :s], x[:, e:]], dim=1))
-        vis = vision(x[:, s:e]).to(lang.dtype)
-        return torch.cat([lang[:, :s], vis, lang[:, s:]], dim=1)
-
-    def _apply_index(self, x, language, vision):
+            s, e = self.start, self.end
+            lang = language(torch.cat([x[:, :s], x[:, e:]], dim=1))
+            vis = vision(x[:, s:e]).to(lang.dtype)
+            return torch.cat([lang[:, :s], vis, lang[:, s:]], dim=1)
         flat = x.reshape(-1, x.shape[-1])
         lang = language(flat.index_select(0, self.language_index))
         vis = vision(flat.index_select(0, self.vision_index)).to(lang.dtype)

@@ -32,7 +32,6 @@ class TinyRun:
 
     @property
     def train_jsonl(self) -> str:
-        """The training CAPTCHAs as conversations (:func:`write_captcha_conversations`)."""
         return os.path.join(os.path.dirname(self.train_dir), "train.jsonl")
 
     @property
