@@ -47,13 +47,10 @@ class VisionRotary(nn.Module):
         self.register_buffer("freqs_cos", table.cos().to(**placement.factory))
         self.register_buffer("freqs_sin", table.sin().to(**placement.factory))
 
-    @staticmethod
-    def _rotate_pairs(x):
-        x = x.unflatten(-1, (-1, 2))
-        return torch.stack((-x[..., 1], x[..., 0]), dim=-1).flatten(-2)
-
     def forward(self, x):
-        return x * self.freqs_cos + self._rotate_pairs(x) * self.freqs_sin
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        return x * self.freqs_cos + rotated * self.freqs_sin
 
 
 class SubLNAttention(nn.Module):

@@ -6,29 +6,23 @@ fit ``max_length`` is a problem like any other: named by ``file:line`` when the 
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from functools import partial
+from typing import Callable, List, Optional
 
 from ..data.jsonl import Sample, read_samples, settle
 from .dataset import ItemDataset
 from .text_processor import IMAGE_TAG
 
 
-def token_count(text_processor, prompt: str, answer: str) -> Tuple[int, int]:
-    """(prompt tokens with the image slots, all tokens) of a sample as ``llama2_text_processor`` lays it out."""
-    tokenizer = text_processor.tokenizer
-    parts = prompt.split(IMAGE_TAG)
-    images = len(parts) - 1
-    prompt_ids = 1 + sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in parts) + images
-    answer_ids = len(tokenizer.encode(answer, add_special_tokens=False))
-    slots = images * (text_processor.image_length + 1)
-    return prompt_ids + slots, prompt_ids + answer_ids + 1 + slots
-
-
 def length_problem(text_processor, prompt: str, answer: str) -> Optional[str]:
-    """Why the text processor would drop the sample or cut its answer, or None when it fits."""
+    """Why the text processor (ours or upstream's ``llama2_text_processor``) would drop the sample or cut its
+    answer, or None when it fits."""
     room = getattr(text_processor, "answer_room", 10)  # upstream's processor returns None within 10 tokens
     limit = text_processor.max_target_length
-    context, total = token_count(text_processor, prompt, answer)
+    encode = partial(text_processor.tokenizer.encode, add_special_tokens=False)
+    parts = prompt.split(IMAGE_TAG)  # bos, the prompt's tokens and each image's slots
+    context = 1 + sum(len(encode(p)) for p in parts) + (len(parts) - 1) * (text_processor.image_length + 2)
+    total = context + len(encode(answer)) + 1
     if context > limit - room or total > limit:
         return (f"{total} tokens with the image ({context} before the answer) do not fit max_length {limit}: "
                 f"shorten the record or raise --max_length (MAX_LENGTH)")
