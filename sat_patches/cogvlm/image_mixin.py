@@ -68,9 +68,7 @@ class ImageMixin(BaseMixin):
         super().__init__()
         skip_init = getattr(args, "skip_init", False) if skip_init is None else skip_init
         placement = Placement.resolve(params_dtype, device, skip_init)
-        eva_args = getattr(args, "eva_args", None) or {}
-        if "hidden_size" not in eva_args:
-            raise ValueError("args.eva_args must describe the EVA tower (hidden_size, num_layers, image_size, ...)")
+        eva_args = args.eva_args
         vit_args = EVA2CLIPModel.get_args(**vars(vision_args(args, eva_args)))
         self.vit_model = EVA2CLIPModel(vit_args, params_dtype=placement.params_dtype)
         self.in_features = eva_args["hidden_size"]  # upstream: 1792

@@ -23,7 +23,7 @@ NUM_VISION_LAYERS = 32  # upstream passes 32: every layer of the 32-layer LLaMA 
 
 def _check_image_length(args):
     eva = getattr(args, "eva_args", None) or {}
-    if "image_size" not in eva or "patch_size" not in eva:
+    if not {"image_size", "patch_size", "hidden_size"} <= set(eva):
         raise ValueError("args.eva_args must describe the EVA tower (image_size, patch_size, hidden_size, ...): "
                          "load a model_config.json (--from_pretrained) or use tiny_args()")
     size, patch = eva["image_size"], eva["patch_size"]
