@@ -31,14 +31,9 @@ UPSTREAM_EVA_WIDTH = 1792
 
 
 def tiny_config(kind: str = "cogvlm", upstream_classes: bool = False) -> dict:
-    """The tiny stand-in's ``model_config.json`` content: LLaMA 2x128 (4 heads, vocab 1024), EVA
-    2x64 on 56x56 images with patch 14 (16 image tokens); CogAgent adds a 2-layer, width-64
-    EVA-CLIP-L style encoder on 112x112 images (64 cross tokens) and cross attention of 4x16.
-
-    ``upstream_classes``: for upstream CogVLM's own classes instead of ours: the released
-    ``model_config.json`` (same keys, same order) with the tiny values, EVA as wide as upstream's projector
-    takes (1792, 16 heads) with one layer and CogAgent's cross encoder 1024 wide with ``encoder_args`` asking for
-    one layer on 112 px cross images (upstream's classes ignore ``encoder_args`` and build the released 24 layers)."""
+    """The tiny stand-in's ``model_config.json`` content (sizes: :data:`TINY_LANGUAGE`, :data:`TINY_EVA`; CogAgent
+    adds a 2-layer, width-64 encoder on 112 px images). ``upstream_classes``: for upstream's own classes, the
+    released config with the tiny values where those classes read them (EVA as wide as their projector takes)."""
     if upstream_classes:
         config = copy.deepcopy(UPSTREAM_CONFIGS[kinds.kind(kind).released])
         config.update({k: v for k, v in TINY_LANGUAGE.items() if k in config})

@@ -1,10 +1,5 @@
-"""Model shapes of CogVLM and CogAgent: the one table that the models (``config``), the memory plan
-(``sat-patches plan``) and the scripts' checks read. Needs neither torch nor SAT.
-
-``UPSTREAM_CONFIGS`` holds the released ``model_config.json`` fields (cogagent-chat's as published;
-cogvlm-base-490's the same minus the cross-attention branch, with 490 px images); :func:`upstream_config`
-gives every released model name, with the encoder defaults that the published config leaves to the code.
-"""
+"""Model shapes of CogVLM and CogAgent (the released ``model_config.json`` fields), without torch or SAT: the
+one table that the models, the memory plan and the scripts' checks read."""
 from __future__ import annotations
 
 import copy
