@@ -182,8 +182,7 @@ class ExternalVisionModel(BaseMixin):
         self.vit = EvaLargeEncoder(cross_image_pix, cfg, placement)
         self.pos_embed = zeros_parameter(placement, (cross_image_pix // cfg["patch_size"]) ** 2, cfg["width"])
 
-    def forward(self, image=None, images=None, **unused):
-        pixels = image if image is not None else images
-        if pixels is None:
+    def forward(self, image=None, **unused):
+        if image is None:
             raise ValueError("CogAgent's cross encoder needs the high-resolution image as cross_image")
-        return self.vit(pixels) + self.pos_embed.unsqueeze(0)
+        return self.vit(image) + self.pos_embed.unsqueeze(0)
