@@ -104,5 +104,6 @@ def data_collator(examples, cross_image_processor=None) -> dict:
     groups = ["vision"] + (["cross"] if cross_image_processor is not None else [])
     batch = {f"{group}_{key}": _batched([ex[group][key] for ex in examples])
              for group in groups for key in examples[-1][group]}
-    batch.update({key: _batched([ex[key] for ex in examples]) for key in examples[-1] if key not in ("vision", "cross")})
+    batch.update({key: _batched([ex[key] for ex in examples])
+                  for key in examples[-1] if key not in ("vision", "cross")})
     return batch
