@@ -4,23 +4,6 @@ Our own implementation of the architectures in THUDM/CogVLM (``utils/models/*``)
 parameter names and ``model_config.json`` fields, so released SAT checkpoints (``cogvlm-base-490``,
 ``cogagent-chat``) load, and small configurations build in milliseconds for tests and CPU runs.
 
-Modules, one concern each:
-    placement        dtype/device/skip_init of new parameters
-    llama            LLaMA base (RMSNorm, SiLU, LM head) without SAT's discarded mixins
-    vision_expert    vision-expert attention and MLP mixins (upstream ``mixin.py``)
-    eva_clip         EVA2-CLIP tower (upstream ``eva_clip_model.py``)
-    eva_clip_large   CogAgent's high-resolution EVA2-CLIP-L encoder (upstream ``eva_clip_L_hf.py``)
-    image_mixin      GLU projector + image-slot filling (upstream ``ImageMixin``)
-    models           CogVLMModel, FineTuneTrainCogVLMModel, CogAgentModel, FineTuneTrainCogAgentModel
-    config           upstream/tiny model_config.json, ``tiny_args``, SAT checkpoint folder writer
-    image_processor  PIL/numpy/torch image preprocessing (upstream ``BlipImageEvalProcessor``)
-    text_processor   prompt templates + ``llama2_text_processor``
-    tokenizer        tiny sentencepiece tokenizer, ``llama2_tokenizer`` loader
-    captcha_data     CAPTCHA image folder generator (PyPI ``captcha``)
-    dataset          ``ItemDataset`` and ``data_collator``
-    jsonl_dataset    ``JsonlDataset`` (conversations in JSON Lines) and ``create_dataset_function``
-    tiny             one-call preparation of a tiny run's model/tokenizer/data folders
-
 Tiny run, as upstream's ``finetune_demo`` does it (``args`` from ``sat.get_args`` plus the demo's
 own options, e.g. ``--max_length 80 --local_tokenizer <run.tokenizer_dir>``)::
 
@@ -40,8 +23,7 @@ import importlib
 
 import sat_patches  # noqa: F401  (makes ``import sat`` work without triton/CUDA)
 
-# name -> the module that defines it. Imported on first use, so that the torch- and SAT-free modules
-# (``shapes``, ``config``'s tables, ``text_processor``'s templates) cost nothing to the command-line tools.
+# name -> the module that defines it, imported on first use (the command-line tools need no torch or SAT).
 _MODULES = {
     "captcha_data": ["make_captcha_dataset"],
     "config": ["TINY_MAX_LENGTH", "UPSTREAM_CONFIGS", "model_config_dict", "read_model_config", "tiny_config",

@@ -1,11 +1,5 @@
-"""Model configurations: upstream's published ``model_config.json`` fields, the tiny stand-in, and
-reading/writing the SAT checkpoint folder layout (``model_config.json``, ``latest``,
-``<iteration>/mp_rank_XX_model_states.pt``) that ``--from_pretrained <dir>`` loads.
-
-Field names and order follow the released SAT checkpoints (cogagent-chat's ``model_config.json``
-as published; cogvlm-base-490's fields are the same minus the cross-attention branch, with 490 px
-images: ``image_length`` 1225 = (490/14)^2, EVA ``max_sequence_length`` 1226).
-"""
+"""``model_config.json``: the tiny stand-in's, and writing one for ``args`` with the released checkpoints'
+field names in their order."""
 from __future__ import annotations
 
 import copy
@@ -32,22 +26,14 @@ TINY_LANGUAGE = {"tokenizer_type": TINY_TOKENIZER_TYPE, "num_layers": 2, "hidden
                  "vocab_size": 1024, "max_sequence_length": 512, "inner_hidden_size": 256, "image_length": 16}
 TINY_EVA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "inner_hidden_size": 256,
             "image_size": [56, 56], "max_sequence_length": 17}
-# upstream's classes hard-code these widths whatever model_config.json says: the image projector takes 1792
-# features (ImageMixin), the cross attention 1024 (the EVA-CLIP-L encoder is built from fixed settings)
-UPSTREAM_EVA_WIDTH, UPSTREAM_CROSS_WIDTH = 1792, 1024
+# upstream's ImageMixin hard-codes the projector's input width whatever model_config.json says
+UPSTREAM_EVA_WIDTH = 1792
 
 
 def tiny_config(kind: str = "cogvlm", upstream_classes: bool = False) -> dict:
-    """The tiny stand-in's ``model_config.json`` content: LLaMA 2x128 (4 heads, vocab 1024), EVA
-    2x64 on 56x56 images with patch 14 (16 image tokens); CogAgent adds a 2-layer, width-64
-    EVA-CLIP-L style encoder on 112x112 images (64 cross tokens) and cross attention of 4x16.
-
-    ``upstream_classes``: for upstream CogVLM's own classes instead of ours: the released
-    ``model_config.json`` (same keys, same order) with the tiny values, EVA as wide as upstream's projector
-    takes (1792, 16 heads) with one layer and CogAgent's cross encoder 1024 wide with ``encoder_args`` asking for
-    one layer on 112 px cross images (upstream's classes ignore ``encoder_args`` and build the released 24 layers).
-    One layer each at these widths: the checkpoint is 115 MB in fp32 (a CPU smoke run writes it, its shards,
-    their optimizer states and the demo's merged save, several times over)."""
+    """The tiny stand-in's ``model_config.json`` content (sizes: :data:`TINY_LANGUAGE`, :data:`TINY_EVA`; CogAgent
+    adds a 2-layer, width-64 encoder on 112 px images). ``upstream_classes``: for upstream's own classes, the
+    released config with the tiny values where those classes read them (EVA as wide as their projector takes)."""
     if upstream_classes:
         config = copy.deepcopy(UPSTREAM_CONFIGS[kinds.kind(kind).released])
         config.update({k: v for k, v in TINY_LANGUAGE.items() if k in config})

@@ -1,79 +1,51 @@
 """The fine-tuning data set and batch collation of CogVLM's CAPTCHA demo.
 
 Mirrors ``ItemDataset`` of CogVLM ``utils/utils/dataset.py`` (a folder of ``.jpg`` files whose stem is
-the label; prompt ``CAPTCHA:``; each item is the image inputs under ``vision`` (and ``cross`` for
-CogAgent) plus the text processor's output) and ``data_collator`` of
-``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (image inputs flattened to ``vision_*``/``cross_*``,
-tensors concatenated along the batch).
-
-Unlike upstream, which logs and returns an empty item for an image it cannot open, unreadable images
-are found when the data set is built and follow ``SAT_PATCHES_BAD_RECORDS`` as JSONL records do
-(:func:`sat_patches.data.jsonl.settle`: refused by default; with ``skip`` each is reported and left
-out, recorded in ``skipped``); a folder with no readable image raises :class:`EmptyDatasetError`.
+the label, prompt ``CAPTCHA:``) and ``data_collator`` of ``finetune_demo/finetune_cog{vlm,agent}_demo.py``.
+Unreadable images are found when the data set is built and follow ``SAT_PATCHES_BAD_RECORDS`` as JSONL
+records do (:func:`sat_patches.data.jsonl.settle`); skipped ones are listed in ``skipped``.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..data.jsonl import EmptyDatasetError, folder_images, image_problem, settle  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 PROMPT = "CAPTCHA:"
-IMAGE_SUFFIXES = (".jpg",)
-
-
-from ..data.jsonl import EmptyDatasetError, folder_images, settle  # noqa: F401  (one policy for every kind of data)
-
-
-def find_images(path: str, suffixes=IMAGE_SUFFIXES) -> List[str]:
-    return folder_images(path, suffixes)  # symlinked folders are not entered (a loop would never end)
-
-
-def load_rgb(path: str) -> Image.Image:
-    with Image.open(path) as image:
-        return image.convert("RGB")  # decodes the whole file: truncated or corrupt files fail here
 
 
 class ItemDataset(Dataset):
     """``ItemDataset(image_processor, text_processor, args, data_dir, cross_image_processor=None)``."""
 
     def __init__(self, image_processor: Callable, text_processor: Callable, args=None, data_dirs: str = "",
-                 cross_image_processor: Optional[Callable] = None, prompt: str = PROMPT, validate: bool = True,
-                 **kwargs):
+                 cross_image_processor: Optional[Callable] = None, prompt: str = PROMPT, **kwargs):
         super().__init__()
         self.image_processor = image_processor
         self.text_processor = text_processor
         self.cross_image_processor = cross_image_processor
         self.prompt = prompt
         self.data_dir = data_dirs
-        self.skipped: List[Tuple[str, str]] = []
-        self.failed_items = 0
-        self.data = self._load(data_dirs, validate)
+        self.data = self._load(data_dirs)
 
-    def _load(self, data_dir: str, validate: bool) -> List[str]:
+    def _load(self, data_dir: str) -> List[str]:
         if not os.path.isdir(data_dir):
             raise EmptyDatasetError(f"data folder {data_dir!r} does not exist")
-        files = find_images(data_dir)
+        files = folder_images(data_dir)
         if not files:
             raise EmptyDatasetError(f"no usable CAPTCHA image in {data_dir!r}: it holds no .jpg file")
-        usable = []
-        for path in files:
-            if validate:
-                try:
-                    load_rgb(path)
-                except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
-                    self.skipped.append((path, f"{type(exc).__name__}: {exc}"))
-                    continue
-            usable.append(path)
-        # SAT_PATCHES_BAD_RECORDS as for JSONL records: refused, or skipped and each one reported
-        problems = [f"{path}: cannot be read ({why})" for path, why in self.skipped]
-        return settle(usable, problems, data_dir, what="image")
+        checked = [(path, image_problem(path)) for path in files]
+        self.skipped = [(path, problem) for path, problem in checked if problem]
+        return settle([path for path, problem in checked if not problem],
+                      [f"{path}: {problem}" for path, problem in self.skipped], data_dir, what="image")
 
     @staticmethod
     def label_of(path: str) -> str:
@@ -100,9 +72,9 @@ class ItemDataset(Dataset):
         """The image inputs of ``path`` and the text processor's output for ``answer`` after ``prompt``;
         upstream's empty item when the image became unreadable or the text does not fit."""
         try:
-            image = load_rgb(path)
+            with Image.open(path) as opened:
+                image = opened.convert("RGB")
         except Exception as exc:  # changed since the data set was built: upstream's empty item
-            self.failed_items += 1
             logger.warning("image %s became unreadable: %s", path, exc)
             return {}
         item = {"vision": self.image_processor(image)}
@@ -115,12 +87,11 @@ class ItemDataset(Dataset):
         return {**item, **text, "question_id": question_id}
 
 
-def _as_tensor(value):
-    if isinstance(value, list):
-        return torch.tensor(value)
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    return value
+def _batched(values):
+    """Tensors (lists and arrays made tensors) concatenated on dim 0; anything else: the last value."""
+    values = [torch.tensor(v) if isinstance(v, list) else torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+              for v in values]
+    return torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
 
 
 def data_collator(examples, cross_image_processor=None) -> dict:
@@ -131,14 +102,8 @@ def data_collator(examples, cross_image_processor=None) -> dict:
     if not examples:
         raise ValueError("data_collator: every item of the batch was empty (unreadable or too long)")
     groups = ["vision"] + (["cross"] if cross_image_processor is not None else [])
-    batch = {}
-    for group in groups:
-        for key, value in examples[-1][group].items():
-            values = [_as_tensor(ex[group][key]) for ex in examples]
-            batch[f"{group}_{key}"] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
-    for key in examples[-1]:
-        if key in ("vision", "cross"):
-            continue
-        values = [_as_tensor(ex[key]) for ex in examples]
-        batch[key] = torch.cat(values) if isinstance(values[-1], torch.Tensor) else values[-1]
+    batch = {f"{group}_{key}": _batched([ex[group][key] for ex in examples])
+             for group in groups for key in examples[-1][group]}
+    batch.update({key: _batched([ex[key] for ex in examples])
+                  for key in examples[-1] if key not in ("vision", "cross")})
     return batch

@@ -1,30 +1,16 @@
-"""EVA2-CLIP vision tower of CogVLM (low-resolution image branch) as a SAT ``BaseModel``.
-
-Mirrors CogVLM ``utils/models/eva_clip_model.py`` (``EVA2CLIPModel`` with ``ImagePatchEmbedding``,
-interpolated position embedding, the "post" residual norm layer and the final [CLS] drop) and SAT's
-``sat/model/official/eva_clip_model.py``. Parameter names are upstream's
-(``mixins.eva.vit_model.transformer.layers.<i>...``, ``...mixins.patch_embedding.proj``).
-
-Differences: attention is SAT's default (``scaled_dot_product_attention``) instead of xformers,
-which has no CPU kernels; the patch embedding is built in the model's dtype/device and casts the
-incoming image to it.
-"""
+"""EVA2-CLIP vision tower of CogVLM (upstream ``utils/models/eva_clip_model.py``) as a SAT ``BaseModel``, with
+upstream's parameter names. Attention is SAT's default instead of xformers, which has no CPU kernels."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sat.model.base_model import BaseMixin, BaseModel
+from sat.model.official.eva_clip_model import EVA2CLIPModel as _SAT_EVA2CLIPModel
 from sat.model.official.vit_model import InterpolatedPositionEmbeddingMixin, ViTProperty, gelu
 from sat.model.registry import model_registry
 
 from .placement import Placement, make_module
-
-try:  # SAT ships an EVA2CLIPModel of its own; our class must not replace it in SAT's registry.
-    from sat.model.official.eva_clip_model import EVA2CLIPModel as _SAT_EVA2CLIPModel
-except Exception:  # pragma: no cover - older/newer SAT without it
-    _SAT_EVA2CLIPModel = None
-
 
 class PatchEmbeddingMixin(BaseMixin):
     """[pre tokens from the word embedding] + conv patches + [post tokens]: ``proj`` is the conv."""
@@ -88,7 +74,5 @@ class EVA2CLIPModel(BaseModel):
         return parser
 
 
-# SAT's registry keys classes by name; keep SAT's own EVA2CLIPModel registered under that name.
-# CogVLM builds this tower directly (ImageMixin), never through the registry.
-if _SAT_EVA2CLIPModel is not None:
-    model_registry.member["EVA2CLIPModel"] = _SAT_EVA2CLIPModel
+# SAT's registry keys classes by name: SAT's own EVA2CLIPModel stays registered (ImageMixin builds ours directly).
+model_registry.member["EVA2CLIPModel"] = _SAT_EVA2CLIPModel

@@ -1,17 +1,9 @@
 """EVA2-CLIP-L high-resolution encoder of CogAgent's cross-attention branch (plain torch).
 
-Mirrors CogVLM ``utils/models/eva_clip_L_hf.py`` (``Eva2LargeEncoder`` -> ``EVAVisionTransformer``
-with sub-LN attention, SwiGLU MLP, 2-D rotary embedding on the patch tokens, no rel-pos bias) and
-the ``ExternalVisionModel`` wrapper of ``utils/models/cogagent_model.py``. Module and parameter
-names are upstream's: ``vit.model.patch_embed.proj``, ``vit.model.cls_token``, ``vit.model.pos_embed``,
-``vit.model.rope.freqs_{cos,sin}`` (buffers; every block's ``attn.rope`` is the same module, as
-upstream, so they appear once per block in the state dict), ``vit.model.blocks.<i>.{norm1,attn,norm2,
-mlp}``, ``vit.model.norm``, ``vit.model.head``, and the wrapper's ``pos_embed``.
-
-As upstream, the forward pass skips the last block and returns the patch tokens (no final norm, no
-head): the checkpoint is "drop last layer". The sizes upstream hard-codes (width 1024, 24 layers,
-head width 64, MLP ratio 2.6667, patch 14, embed dim 768) are :data:`EVA_CLIP_L_DEFAULTS`, and a
-config may override them through ``encoder_args`` so a tiny CogAgent can be built.
+Mirrors CogVLM ``utils/models/eva_clip_L_hf.py`` and the ``ExternalVisionModel`` wrapper of
+``utils/models/cogagent_model.py``, with upstream's module and parameter names. As upstream, the forward pass
+skips the last block and returns the patch tokens. ``encoder_args`` may override the sizes upstream hard-codes
+(:data:`EVA_CLIP_L_DEFAULTS`), so a tiny CogAgent can be built.
 """
 from __future__ import annotations
 
@@ -26,7 +18,6 @@ from sat.model.base_model import BaseMixin
 
 from .placement import Placement, make_module, zeros_parameter
 from .shapes import EVA_CLIP_L_DEFAULTS
-
 
 
 def encoder_config(encoder_args: Optional[dict]) -> dict:
@@ -56,13 +47,10 @@ class VisionRotary(nn.Module):
         self.register_buffer("freqs_cos", table.cos().to(**placement.factory))
         self.register_buffer("freqs_sin", table.sin().to(**placement.factory))
 
-    @staticmethod
-    def _rotate_pairs(x):
-        x = x.unflatten(-1, (-1, 2))
-        return torch.stack((-x[..., 1], x[..., 0]), dim=-1).flatten(-2)
-
     def forward(self, x):
-        return x * self.freqs_cos + self._rotate_pairs(x) * self.freqs_sin
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        return x * self.freqs_cos + rotated * self.freqs_sin
 
 
 class SubLNAttention(nn.Module):
@@ -121,19 +109,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, image_size, patch_size, in_chans, dim, placement: Placement):
-        super().__init__()
-        self.image_size = image_size
-        self.proj = make_module(placement, nn.Conv2d, in_chans, dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x):
-        if x.shape[-2:] != (self.image_size, self.image_size):
-            raise ValueError(f"cross image is {tuple(x.shape[-2:])}, the encoder was built for "
-                             f"{self.image_size}x{self.image_size} (cross_image_pix)")
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
 class EvaVisionTower(nn.Module):
     """Upstream ``EVAVisionTransformer`` at CogAgent's settings."""
 
@@ -145,7 +120,9 @@ class EvaVisionTower(nn.Module):
         grid = image_size // patch
         num_heads = dim // cfg["head_width"]
         eps = cfg["layernorm_epsilon"]
-        self.patch_embed = PatchEmbed(image_size, patch, 3, dim, placement)
+        self.image_size = image_size
+        self.patch_embed = nn.ModuleDict({"proj": make_module(placement, nn.Conv2d, 3, dim, kernel_size=patch,
+                                                              stride=patch)})
         self.cls_token = zeros_parameter(placement, 1, 1, dim)
         self.pos_embed = zeros_parameter(placement, 1, grid * grid + 1, dim)
         self.rope = VisionRotary(dim // num_heads // 2, cfg["pt_hw_seq_len"], grid, placement)
@@ -171,7 +148,11 @@ class EvaVisionTower(nn.Module):
                 block.mlp.w3.weight.div_(math.sqrt(2.0 * depth))
 
     def forward(self, image):
-        x = self.patch_embed(image.to(self.patch_embed.proj.weight.dtype))
+        if image.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"cross image is {tuple(image.shape[-2:])}, the encoder was built for "
+                             f"{self.image_size}x{self.image_size} (cross_image_pix)")
+        proj = self.patch_embed["proj"]
+        x = proj(image.to(proj.weight.dtype)).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for block in self.blocks[:-1]:  # the last block is dropped, as upstream
             x = block(x)
@@ -183,7 +164,6 @@ class EvaLargeEncoder(nn.Module):
 
     def __init__(self, image_size: int, cfg: dict, placement: Placement):
         super().__init__()
-        self.config = {"vision_cfg": dict(cfg, image_size=image_size)}
         self.model = EvaVisionTower(image_size, cfg, placement)
 
     def forward(self, images):
@@ -201,10 +181,8 @@ class ExternalVisionModel(BaseMixin):
         placement = Placement.resolve(params_dtype, device, skip_init)
         self.vit = EvaLargeEncoder(cross_image_pix, cfg, placement)
         self.pos_embed = zeros_parameter(placement, (cross_image_pix // cfg["patch_size"]) ** 2, cfg["width"])
-        self.width = cfg["width"]
 
-    def forward(self, image=None, images=None, **unused):
-        pixels = image if image is not None else images
-        if pixels is None:
+    def forward(self, image=None, **unused):
+        if image is None:
             raise ValueError("CogAgent's cross encoder needs the high-resolution image as cross_image")
-        return self.vit(pixels) + self.pos_embed.unsqueeze(0)
+        return self.vit(image) + self.pos_embed.unsqueeze(0)

@@ -1,15 +1,6 @@
-"""Evaluation by generation: every sample of a data set answered by a saved model, scored, written out
-(``sat-patches evaluate`` / ``python -m sat_patches evaluate`` on the command line, :mod:`sat_patches.cli.evaluate`).
-
-SAT's evaluation is the loss on ``--eval-iters`` batches, and upstream's generation metric sees a handful
-of samples (THUDM/CogVLM#510 "loss 0, PPL 1, acc 0.05", THUDM/CogVLM#552 "only 24 images evaluated"). Here
-the checkpoint (any model-parallel size, loaded at ``--mp``) answers every sample of ``DATA`` (a JSONL
-file or a ``<label>.jpg`` folder, as training reads it) by greedy decoding after the sample's prompt. The
-data-parallel ranks (world size / ``--mp``) take every sample exactly once between them; the model-parallel
-ranks of a group decode together. Rank 0 writes ``predictions.jsonl`` (one line per sample: id, image,
-prompt, reference answer, prediction, exact) and ``summary.json`` into ``--out`` and prints one line:
-exact match, accuracy, and a per-character score (the share of positions where prediction and answer
-agree, over the longer of the two: partial credit for CAPTCHA-like answers).
+"""Evaluation by generation (``sat-patches evaluate``): a saved model answers every sample of a data set by
+greedy decoding, each data-parallel group its share; rank 0 writes ``predictions.jsonl`` and ``summary.json``
+and prints exact match and a per-character score (:mod:`.scores`).
 """
 from __future__ import annotations
 
@@ -37,8 +28,8 @@ from .trainer import add_lora, model_inputs, processors
 
 def greedy_answer(model, batch, tokenizer, steps: int = 8) -> str:
     """Greedy decoding after the batch's prompt (its first ``context_length`` tokens), without a cache."""
-    with torch.no_grad():
-        return tokenizer.decode(_greedy_tokens(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps))
+    with torch.no_grad(), towers_run_once(model):
+        return tokenizer.decode(_decode(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps))
 
 
 # the image towers, by upstream's parameter names (a checkout's classes have them too): EVA2-CLIP of CogVLM and
@@ -48,11 +39,8 @@ IMAGE_TOWERS = ("mixins.eva.vit_model", "mixins.encoder.vit")
 
 @contextlib.contextmanager
 def towers_run_once(model):
-    """Greedy decoding without a cache runs the model on the whole sequence for every new token, and each image
-    tower with it, on the same image each time (a third of a tiny CogVLM's forward, measured; EVA2-CLIP's 4.4B
-    parameters at full size). Here a tower runs once on the image it is given and its output is given again
-    while the image is the same object: the model is in eval mode, so the output is the same. Every rank of a
-    model-parallel group decodes the same tokens, so all skip the tower's collectives at the same steps."""
+    """Each image tower of ``model`` (in eval mode) runs once per image object while decoding without a cache
+    re-runs the whole sequence per token; the ranks of a model-parallel group skip the same steps."""
     modules = dict(model.named_modules())
     towers = [modules[name] for name in IMAGE_TOWERS if name in modules]
     for tower in towers:
@@ -73,11 +61,6 @@ def _once(forward):
             seen[key] = (args, kwargs, forward(*args, **kwargs))
         return seen[key][2]
     return reused
-
-
-def _greedy_tokens(model, batch, inputs, eos: int, steps: int) -> List[int]:
-    with towers_run_once(model):
-        return _decode(model, batch, inputs, eos, steps)
 
 
 def _decode(model, batch, inputs, eos: int, steps: int) -> List[int]:

@@ -1,15 +1,7 @@
-"""The ``eva`` mixin: EVA2-CLIP tower + GLU projector whose output replaces the image placeholder
-tokens of the language model's input embedding.
-
-Mirrors ``GLU``, ``override_dist_dtype_device_args`` and ``ImageMixin`` of CogVLM
-``utils/models/cogvlm_model.py`` and ``utils/models/cogagent_model.py`` (CogAgent's variant adds a
-learned ``pos_embed`` to the image features before the projector). Parameter names are upstream's:
-``mixins.eva.vit_model...``, ``mixins.eva.linear_proj.{linear_proj,norm1,dense_h_to_4h,gate_proj,
-dense_4h_to_h}``, ``mixins.eva.{boi,eoi}`` and, for CogAgent, ``mixins.eva.pos_embed``.
-
-Differences: the projector's input width is the EVA config's ``hidden_size`` (upstream hard-codes
-1792), so smaller towers work; the tower and projector are built in the model's dtype/device.
-"""
+"""The ``eva`` mixin: EVA2-CLIP tower + GLU projector whose output fills the image slots of the language
+model's input embedding (upstream ``GLU``, ``override_dist_dtype_device_args`` and ``ImageMixin``, with
+their parameter names; CogAgent's variant adds ``pos_embed``). The projector's input width is the EVA
+config's ``hidden_size`` (upstream hard-codes 1792), so smaller towers work."""
 from __future__ import annotations
 
 import argparse
@@ -43,21 +35,17 @@ class GLU(nn.Module):
         return self.dense_4h_to_h(self.act2(self.gate_proj(x)) * self.dense_h_to_4h(x))
 
 
-_RUN_ARGS = ("world_size", "rank", "local_rank", "skip_init", "use_gpu_initialization", "deepspeed",
-             "bf16", "fp16", "mode", "device")
 _RUN_DEFAULTS = {"world_size": 1, "rank": 0, "local_rank": 0, "skip_init": False,
                  "use_gpu_initialization": False, "deepspeed": False, "bf16": False, "fp16": False,
                  "mode": "inference", "device": "cpu"}
 
 
 def vision_args(args, eva_args: dict) -> argparse.Namespace:
-    """The EVA tower's arguments: the checkpoint's ``eva_args`` plus the run's distributed/dtype/device
-    settings (upstream ``override_dist_dtype_device_args``). Outside inference the tower uses
-    ``--vit_checkpoint_activations`` when given and no dropout, leaving its last
-    ``--vit_checkpoint_skip_layers`` layers out of checkpointing (default: the same share of its layers as SAT's
-    ``--checkpoint-skip-layers`` leaves out of the language model's; upstream's tower has no such setting).
-    ``args.eva_args`` is not modified (upstream writes ``model_parallel_size`` into it)."""
-    run = {k: getattr(args, k, _RUN_DEFAULTS[k]) for k in _RUN_ARGS}
+    """The EVA tower's arguments (a copy): the checkpoint's ``eva_args`` plus the run's distributed/dtype/device
+    settings (upstream ``override_dist_dtype_device_args``). Outside inference: no dropout, checkpointing per
+    ``--vit_checkpoint_activations``, and its last ``--vit_checkpoint_skip_layers`` layers not checkpointed
+    (default: the share ``--checkpoint-skip-layers`` leaves out of the language model)."""
+    run = {k: getattr(args, k, default) for k, default in _RUN_DEFAULTS.items()}
     if run["mode"] != "inference":
         run["checkpoint_activations"] = getattr(args, "vit_checkpoint_activations",
                                                 getattr(args, "checkpoint_activations", False))
@@ -80,9 +68,7 @@ class ImageMixin(BaseMixin):
         super().__init__()
         skip_init = getattr(args, "skip_init", False) if skip_init is None else skip_init
         placement = Placement.resolve(params_dtype, device, skip_init)
-        eva_args = getattr(args, "eva_args", None) or {}
-        if "hidden_size" not in eva_args:
-            raise ValueError("args.eva_args must describe the EVA tower (hidden_size, num_layers, image_size, ...)")
+        eva_args = args.eva_args
         vit_args = EVA2CLIPModel.get_args(**vars(vision_args(args, eva_args)))
         self.vit_model = EVA2CLIPModel(vit_args, params_dtype=placement.params_dtype)
         self.in_features = eva_args["hidden_size"]  # upstream: 1792

@@ -1,11 +1,5 @@
-"""Image preprocessing of CogVLM with PIL, numpy and torch only (torchvision does not import beside
-the CPU torch build here).
-
-Mirrors ``BlipImageEvalProcessor`` and ``get_image_processor`` of CogVLM ``utils/utils/vision.py``:
-resize to ``size x size`` with bicubic interpolation, scale to [0, 1], normalise with the CLIP
-mean/std, and return the inputs the EVA tower takes (``image``, a 1-token ``input_ids`` for [CLS],
-``position_ids`` None, ``attention_mask`` of ones).
-"""
+"""Image preprocessing of CogVLM (upstream ``BlipImageEvalProcessor``, ``get_image_processor``) with PIL,
+numpy and torch only: bicubic resize, scale to [0, 1], CLIP mean/std, and the EVA tower's inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,21 +23,8 @@ class BlipImageEvalProcessor:
         return (pixels - self.mean) / self.std
 
 
-class ImageInputs:
-    """Callable giving the EVA tower's inputs for one image (upstream
-    ``blip2_image_processor_func_with_inputs`` bound to a processor)."""
-
-    def __init__(self, processor: BlipImageEvalProcessor):
-        self.processor = processor
-
-    def __call__(self, image: Image.Image) -> dict:
-        return {
-            "image": self.processor(image).unsqueeze(0),
-            "input_ids": torch.zeros(1, 1, dtype=torch.long),
-            "position_ids": None,
-            "attention_mask": torch.ones(1, 1, dtype=torch.long),
-        }
-
-
-def get_image_processor(image_size: int) -> ImageInputs:
-    return ImageInputs(BlipImageEvalProcessor(image_size))
+def get_image_processor(image_size: int):
+    """The EVA tower's inputs for one image (upstream ``blip2_image_processor_func_with_inputs``)."""
+    processor = BlipImageEvalProcessor(image_size)
+    return lambda image: {"image": processor(image).unsqueeze(0), "input_ids": torch.zeros(1, 1, dtype=torch.long),
+                          "position_ids": None, "attention_mask": torch.ones(1, 1, dtype=torch.long)}

@@ -1,44 +1,28 @@
 """A JSON Lines conversation dataset for CogVLM and CogAgent, and the ``create_dataset_function`` that picks it.
 
-Records (format and checks: :mod:`sat_patches.data.jsonl`) become items exactly like ``ItemDataset``'s:
-the image inputs under ``vision`` (and ``cross`` for CogAgent) plus the text processor's output, so
-``data_collator`` and the models take them unchanged. Each sample's prompt is rendered with the tokenizer's
-template (``base``, ``chat``, ``vqa``, ``chat_old``: upstream's ``history_to_prompt``) from its history and
-query; the text processor puts the loss on the answer tokens only (everything before them is -100).
-
-A sample whose text would not fit ``max_length`` is a problem like any other (the processor would drop
-it, or cut its answer short, in the middle of training): it is found when the dataset is built, named by
-``file:line``, and refused or skipped by ``SAT_PATCHES_BAD_RECORDS``.
-
-A fork's demo uses it with upstream's signature::
-
-    from sat_patches.cogvlm import create_dataset_function   # a .jsonl path or a <label>.jpg folder
+Records (format and checks: :mod:`sat_patches.data.jsonl`) become items like ``ItemDataset``'s, the prompt
+rendered with the tokenizer's template from the sample's history and query. A sample whose text would not
+fit ``max_length`` is a problem like any other: named by ``file:line`` when the dataset is built.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from functools import partial
+from typing import Callable, List, Optional
 
 from ..data.jsonl import Sample, read_samples, settle
 from .dataset import ItemDataset
 from .text_processor import IMAGE_TAG
 
 
-def token_count(text_processor, prompt: str, answer: str) -> Tuple[int, int]:
-    """(prompt tokens with the image slots, all tokens) of a sample as ``llama2_text_processor`` lays it out."""
-    tokenizer = text_processor.tokenizer
-    parts = prompt.split(IMAGE_TAG)
-    images = len(parts) - 1
-    prompt_ids = 1 + sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in parts) + images
-    answer_ids = len(tokenizer.encode(answer, add_special_tokens=False))
-    slots = images * (text_processor.image_length + 1)
-    return prompt_ids + slots, prompt_ids + answer_ids + 1 + slots
-
-
 def length_problem(text_processor, prompt: str, answer: str) -> Optional[str]:
-    """Why the text processor would drop the sample or cut its answer, or None when it fits."""
+    """Why the text processor (ours or upstream's ``llama2_text_processor``) would drop the sample or cut its
+    answer, or None when it fits."""
     room = getattr(text_processor, "answer_room", 10)  # upstream's processor returns None within 10 tokens
     limit = text_processor.max_target_length
-    context, total = token_count(text_processor, prompt, answer)
+    encode = partial(text_processor.tokenizer.encode, add_special_tokens=False)
+    parts = prompt.split(IMAGE_TAG)  # bos, the prompt's tokens and each image's slots
+    context = 1 + sum(len(encode(p)) for p in parts) + (len(parts) - 1) * (text_processor.image_length + 2)
+    total = context + len(encode(answer)) + 1
     if context > limit - room or total > limit:
         return (f"{total} tokens with the image ({context} before the answer) do not fit max_length {limit}: "
                 f"shorten the record or raise --max_length (MAX_LENGTH)")
@@ -48,7 +32,7 @@ def length_problem(text_processor, prompt: str, answer: str) -> Optional[str]:
 class JsonlDataset(ItemDataset):
     """``JsonlDataset(image_processor, text_processor, args, path, cross_image_processor=None)``."""
 
-    def _load(self, path: str, validate: bool) -> List[Sample]:
+    def _load(self, path: str) -> List[Sample]:
         samples, problems = read_samples(path)
         fitting = []
         for sample in samples:

@@ -1,12 +1,5 @@
-"""The LLaMA language model under CogVLM, built without SAT's throw-away parts.
-
-SAT's ``LLaMAModel.__init__`` (``sat/model/official/llama_model.py``) adds a ``RotaryMixin`` and an
-``LLaMAMlpMixin`` (a gate projection per layer, fp32 on CPU, initialised) that CogVLM deletes right
-away to put its vision-expert mixins in their place (CogVLM ``utils/models/cogvlm_model.py``). Here
-the CogVLM models run SAT's ``BaseModel.__init__`` with LLaMA's settings (RMSNorm, SiLU, init std
-0.01, no learned position embedding) and add only the mixins they keep. The LM head keeps SAT's
-name ``mixins.lm.lm_head`` and is built in the model's dtype/device.
-"""
+"""The LLaMA language model under CogVLM without the mixins SAT's ``LLaMAModel`` adds and CogVLM deletes:
+SAT's ``BaseModel.__init__`` with LLaMA's settings, plus the ``lm`` head built in the model's dtype/device."""
 from __future__ import annotations
 
 import torch.nn as nn

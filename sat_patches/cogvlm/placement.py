@@ -1,11 +1,6 @@
-"""Where and how new parameters of the CogVLM parts are made: dtype, device, initialisation.
-
-Upstream's mixins (CogVLM ``utils/models/mixin.py``, ``cogvlm_model.py``) default to
-``params_dtype=torch.float, device=torch.device('cpu')`` and build ``nn.Linear``/``nn.LayerNorm``
-without either, so a bf16 GPU model is first built as fp32 on the host. Here every part takes
-``params_dtype``, ``device`` and ``skip_init``; the models pass what their SAT transformer was built
-with, so all parameters of one model start on one device in one dtype.
-"""
+"""Where and how new parameters of the CogVLM parts are made: every part takes ``params_dtype``, ``device``
+and ``skip_init`` (upstream builds fp32 on the host), so all parameters of one model start where its SAT
+transformer was built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +34,10 @@ class Placement:
 
     @classmethod
     def of_transformer(cls, transformer, skip_init: bool) -> "Placement":
-        """The placement a SAT ``BaseTransformer`` was built with (its word embedding's dtype and
-        device, its init methods)."""
+        """The placement a SAT ``BaseTransformer`` was built with (its word embedding's dtype and device)."""
         weight = transformer.word_embeddings.weight
-        return cls(weight.dtype, weight.device, bool(skip_init),
-                   getattr(transformer, "init_method", None) or unscaled_init_method(0.02),
-                   getattr(transformer, "output_layer_init_method", None)
-                   or getattr(transformer, "init_method", None) or unscaled_init_method(0.02))
+        return cls(weight.dtype, weight.device, bool(skip_init), transformer.init_method,
+                   transformer.output_layer_init_method)
 
     @property
     def factory(self) -> dict:

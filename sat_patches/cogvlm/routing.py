@@ -1,21 +1,10 @@
 """Routing tokens to CogVLM's language or vision expert without boolean-mask gathers.
 
-CogVLM's model code (THUDM/CogVLM ``utils/models/mixin.py``) routes every layer's tokens with the boolean
-``vision_expert_mask``: ``x[~mask]``, ``x[mask]``, ``out[mask] = ...``, three times per layer. Each such
-index asks the GPU how many tokens the mask holds (a host sync) and runs gather/scatter kernels; under
-activation checkpointing all of it again in every recomputed layer.
-
-Here the mask is read once per step (:data:`expert_routing`, memoised per mask tensor) into an
-:class:`ExpertRouting`:
-
-* ``block``: every row holds its vision tokens in one run of positions, the same in each row. CogVLM lays
-  every sample out so (BOS, boi, the image patches, eoi, text): slices and concatenations route it;
-* ``index``: any other layout: flat index tensors, made once, used by ``index_select``/``index_copy``
-  (no host sync per layer);
-* ``language``/``vision``: every token goes to one expert.
-
-:meth:`ExpertRouting.apply` computes the same values as the boolean-mask code: each token goes through
-the same expert; only how the rows are gathered differs.
+Upstream indexes with the boolean ``vision_expert_mask`` three times per layer (a host sync and
+gather/scatter kernels each). Here the mask is read once per step (:data:`expert_routing`) into an
+:class:`ExpertRouting`: ``block`` (the vision tokens are one run of positions, the same in every row:
+slices route it), ``index`` (any other layout: index tensors made once), or ``language``/``vision``
+(every token to one expert). Each token goes through the same expert as upstream's code.
 """
 from __future__ import annotations
 
@@ -64,16 +53,10 @@ class ExpertRouting:
         if self.kind == "vision":
             return vision(x)
         if self.kind == "block":
-            return self._apply_block(x, language, vision)
-        return self._apply_index(x, language, vision)
-
-    def _apply_block(self, x, language, vision):
-        s, e = self.start, self.end
-        lang = language(torch.cat([x[:, :s], x[:, e:]], dim=1))
-        vis = vision(x[:, s:e]).to(lang.dtype)
-        return torch.cat([lang[:, :s], vis, lang[:, s:]], dim=1)
-
-    def _apply_index(self, x, language, vision):
+            s, e = self.start, self.end
+            lang = language(torch.cat([x[:, :s], x[:, e:]], dim=1))
+            vis = vision(x[:, s:e]).to(lang.dtype)
+            return torch.cat([lang[:, :s], vis, lang[:, s:]], dim=1)
         flat = x.reshape(-1, x.shape[-1])
         lang = language(flat.index_select(0, self.language_index))
         vis = vision(flat.index_select(0, self.vision_index)).to(lang.dtype)

@@ -13,13 +13,8 @@ from .config import model_config_dict
 
 
 def save_pretrained_dir(model, args, directory: str, iteration: int = 1) -> str:
-    """Write ``model`` in SAT's checkpoint layout so ``Model.from_pretrained(directory, args)`` /
-    ``--from_pretrained directory`` load it: model_config.json, ``latest``, and every model-parallel
-    rank's ``<iteration>/mp_rank_XX_model_states.pt`` (every rank calls this).
-
-    The ranks write into a temporary sibling directory that global rank 0 then renames to
-    ``directory`` (:mod:`sat_patches.checkpoints.writer`): ``directory`` is replaced as a whole, and
-    only by a complete checkpoint."""
+    """(every rank) Write ``model`` in SAT's checkpoint layout into a staging directory that rank 0 then
+    publishes as ``directory``: replaced as a whole, and only by a complete checkpoint."""
     first = not dist.is_initialized() or dist.get_rank() == 0
     staged = writer.staging_dir_for(directory, shared=True)
     if first:

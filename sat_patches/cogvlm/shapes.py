@@ -1,10 +1,5 @@
-"""Model shapes of CogVLM and CogAgent: the one table that the models (``config``), the memory plan
-(``sat-patches plan``) and the scripts' checks read. Needs neither torch nor SAT.
-
-``UPSTREAM_CONFIGS`` holds the released ``model_config.json`` fields (cogagent-chat's as published;
-cogvlm-base-490's the same minus the cross-attention branch, with 490 px images); :func:`upstream_config`
-gives every released model name, with the encoder defaults that the published config leaves to the code.
-"""
+"""Model shapes of CogVLM and CogAgent (the released ``model_config.json`` fields), without torch or SAT: the
+one table that the models, the memory plan and the scripts' checks read."""
 from __future__ import annotations
 
 import copy
@@ -45,12 +40,6 @@ UPSTREAM_CONFIGS = {
 }
 
 
-def _cogvlm_224() -> dict:
-    config = copy.deepcopy(UPSTREAM_CONFIGS["cogvlm-base-490"])
-    config.update(image_length=256, eva_args=dict(EVA_E_ARGS, max_sequence_length=257, image_size=[224, 224]))
-    return config
-
-
 # released names: which entry of the table each one has the shape of
 RELEASED: Dict[str, str] = {
     "cogvlm-base-224": "cogvlm-base-224", "cogvlm-base-490": "cogvlm-base-490", "cogvlm-chat-v1.1": "cogvlm-base-490",
@@ -62,7 +51,9 @@ RELEASED: Dict[str, str] = {
 def upstream_config(name: str) -> dict:
     """The ``model_config.json`` of released model ``name`` (a copy), CogAgent's encoder defaults filled in."""
     shape = RELEASED[name]
-    config = _cogvlm_224() if shape == "cogvlm-base-224" else copy.deepcopy(UPSTREAM_CONFIGS[shape])
+    config = copy.deepcopy(UPSTREAM_CONFIGS["cogvlm-base-490" if shape == "cogvlm-base-224" else shape])
+    if shape == "cogvlm-base-224":
+        config.update(image_length=256, eva_args=dict(EVA_E_ARGS, max_sequence_length=257, image_size=[224, 224]))
     if "cross_image_pix" in config:
         config["encoder_args"] = {**EVA_CLIP_L_DEFAULTS, **config.get("encoder_args", {})}
     return config

@@ -1,13 +1,6 @@
-"""Coloured shapes drawn locally: a task the tiny CPU demo's CogVLM learns within a minute.
-
-Each image is one large filled shape (circle, square or triangle) in one of four colours, of random size,
-position and shade on a light, slightly noisy background. Every record (JSON Lines, the format of
-:mod:`sat_patches.data.jsonl`) asks the shape's colour, so the validation set's exact match measures what the
-run learnt: a randomly initialised model names no colour (0%), a trained one names nearly every one. (One
-question only: a 2-layer model on random weights learns to tell questions apart far slower than colours;
-conversations and grounding boxes are trained in the CAPTCHA data of :mod:`.tiny`.)
-
-The same ``seed`` gives the same images and records; the validation set is drawn from another seed.
+"""Coloured shapes drawn locally, in JSON Lines (:mod:`sat_patches.data.jsonl`): a task the tiny CPU demo's
+CogVLM learns within a minute. Each image is one large filled shape in one of four colours; every record asks
+its colour, so a random model scores 0% and a trained one nearly all. The same ``seed`` gives the same data.
 """
 from __future__ import annotations
 

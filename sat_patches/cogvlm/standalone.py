@@ -1,10 +1,8 @@
-"""Standalone CogVLM / CogAgent LoRA fine-tuning on SAT (no CogVLM checkout needed): ``sat-patches finetune
-prepare|train|verify`` (also ``python -m sat_patches finetune``, :mod:`sat_patches.cli.finetune`).
+"""Standalone CogVLM / CogAgent LoRA fine-tuning on SAT: ``sat-patches finetune prepare|train|verify``.
 
-Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (same options, data layout,
-loss and LoRA placement) on the models of :mod:`sat_patches.cogvlm`. :func:`train` is what every rank
-runs; ``--probe FILE`` records the trained model's logits on one fixed validation batch, and
-:func:`compare_with_probe` reloads the merged MP=1 model and compares its logits with them.
+Follows upstream's ``finetune_demo/finetune_cog{vlm,agent}_demo.py`` (options, data layout, loss, LoRA
+placement) on the models of :mod:`sat_patches.cogvlm`. ``--probe FILE`` records the trained model's logits
+on one validation batch; :func:`compare_with_probe` compares the merged MP=1 model's with them.
 """
 from __future__ import annotations
 
@@ -49,31 +47,17 @@ def demo_parser(kind: str) -> argparse.ArgumentParser:
     return model_class_for(kind).add_model_specific_args(p)
 
 
-def _kind_of(argv):
-    for i, a in enumerate(argv):
-        if a == "--kind" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--kind="):
-            return a.split("=", 1)[1]
-    return "cogvlm"
-
-
-def check_data(args) -> None:
-    """Every training and validation path is usable (JSONL records checked, a folder has a readable image);
-    raises :class:`sat_patches.data.jsonl.DataError` naming each problem."""
-    problems = [p for path in (args.train_data or []) + (args.valid_data or []) for p in check_data_path(path)]
-    if problems:
-        raise DataError("\n".join(problems))
-
-
 def train(argv) -> int:
-    kind = _kind_of(argv)
+    kind = demo_parser("cogvlm").parse_known_args(argv)[0].kind
     os.environ.setdefault("SAT_PATCHES_TRAINABLE", "lora")  # this trainer's default: the adapters only
     known, rest = demo_parser(kind).parse_known_args(argv)
     check_finetune_args(known)  # LoRA rank, layer range, QLoRA: refused before anything is built
     args = get_args(rest)
     args = argparse.Namespace(**vars(args), **vars(known))
-    check_data(args)  # an empty or broken data set stops here, before the model is built
+    # an empty or broken data set stops here, before the model is built
+    problems = [p for path in (args.train_data or []) + (args.valid_data or []) for p in check_data_path(path)]
+    if problems:
+        raise DataError("\n".join(problems))
     if args.use_qlora:
         args.device = "cpu"  # as upstream's demo does; sat_patches keeps the model on the compute device
     cls = model_class_for(kind)

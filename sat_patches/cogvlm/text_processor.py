@@ -1,11 +1,7 @@
-"""Prompt templates and the training-time text processor of CogVLM.
+"""Prompt templates and the training-time text processor of CogVLM (upstream ``utils/utils/language.py``).
 
-Mirrors ``*_history_to_prompt`` and ``llama2_text_processor`` of CogVLM ``utils/utils/language.py``:
-``<EOI>`` in a prompt marks the image; it becomes ``image_length + 2`` slots (boi, image tokens,
-eoi) that the ``eva`` mixin fills. The processor returns ``input_ids``, ``labels`` (-100 on the
-prompt, the image slots and the padding), ``position_ids`` (all image tokens share one position),
-a causal ``attention_mask`` (1, 1, L, L), ``image_embed_mask``, ``vision_expert_mask`` (boi + image),
-``image_rope_mask``, ``context_length`` and ``image_position``, padded to ``max_target_length``.
+``<EOI>`` in a prompt marks the image: ``image_length + 2`` slots (boi, image tokens, eoi) that the ``eva``
+mixin fills. The processor returns upstream's tensors, padded to ``max_target_length``.
 """
 from __future__ import annotations
 
@@ -86,30 +82,23 @@ class TextProcessor:
                 expanded.append(0)
             else:
                 expanded.append(token)
-        length = len(expanded)
-        image_embed = np.zeros(length, dtype=np.int64)
-        vision_expert = np.zeros(length, dtype=np.int64)
-        image_rope = np.zeros(length, dtype=np.int64)
+        length, size = len(expanded), self.max_target_length
+        if length > size:
+            raise ValueError(f"sequence of {length} tokens exceeds max_target_length {size}")
+        input_ids = np.array(expanded + [self.tokenizer.pad_token_id] * (size - length), dtype=np.int64)
+        labels = np.full(size, -100, dtype=np.int64)
+        labels[context_length:length] = expanded[context_length:]
+        image_embed, vision_expert, image_rope = (np.zeros(size, dtype=np.int64) for _ in range(3))
         for eoi in image_position:
-            image_embed[eoi - self.image_length - 1: eoi + 1] = 1
-            vision_expert[eoi - self.image_length - 1: eoi] = 1
-            image_rope[eoi - self.image_length: eoi] = 1
-        labels = np.array([-100] * context_length + expanded[context_length:], dtype=np.int64)
-        for eoi in image_position:
-            labels[eoi - self.image_length - 1: eoi + 1] = -100
-
-        pad = self.max_target_length - length
-        if pad < 0:
-            raise ValueError(f"sequence of {length} tokens exceeds max_target_length {self.max_target_length}")
-        pad_id = self.tokenizer.pad_token_id
-        input_ids = np.array(expanded + [pad_id] * pad, dtype=np.int64)
-        labels = np.concatenate([labels, np.full(pad, -100, dtype=np.int64)])
-        image_embed, vision_expert, image_rope = (np.pad(m, (0, pad)) for m in (image_embed, vision_expert, image_rope))
+            boi = eoi - self.image_length - 1
+            image_embed[boi: eoi + 1] = 1
+            vision_expert[boi: eoi] = 1
+            image_rope[boi + 1: eoi] = 1
+            labels[boi: eoi + 1] = -100
         # upstream: padding is attended to (mask of ones), causally
         attention_mask = np.tril(np.ones((self.max_target_length, self.max_target_length), dtype=np.int64))
         starts = np.ones(self.max_target_length, dtype=np.int64)
         starts[1:] = (image_rope[1:] == 0) | (image_rope[1:] != image_rope[:-1])
-        starts[0] = 1
         position_ids = np.cumsum(starts) - 1
 
         as_row = lambda a: torch.from_numpy(np.ascontiguousarray(a)).unsqueeze(0)  # noqa: E731

@@ -1,10 +1,5 @@
-"""Everything a tiny CogVLM/CogAgent fine-tuning run needs, made locally in one folder.
-
-``prepare_tiny_run(workdir, kind)`` writes a tokenizer (``tokenizer/``), CAPTCHA train and valid
-folders (``data/train``, ``data/valid``) and a randomly initialised model in SAT's checkpoint layout
-(``model/``), so a training script can follow upstream's ``finetune_demo`` unchanged:
-``--from_pretrained <workdir>/model --local_tokenizer <workdir>/tokenizer --train-data
-<workdir>/data/train --valid-data <workdir>/data/valid --max_length 80``.
+"""Everything a tiny CogVLM/CogAgent fine-tuning run needs, made locally in one folder: ``prepare_tiny_run``
+writes ``tokenizer/``, ``data/train``, ``data/valid`` and a random model in SAT's checkpoint layout (``model/``).
 """
 from __future__ import annotations
 
@@ -37,7 +32,6 @@ class TinyRun:
 
     @property
     def train_jsonl(self) -> str:
-        """The training CAPTCHAs as conversations (:func:`write_captcha_conversations`)."""
         return os.path.join(os.path.dirname(self.train_dir), "train.jsonl")
 
     @property
@@ -58,11 +52,8 @@ HEAD_SCALE = 10.0
 
 
 def widen_output_head(model, scale: float = HEAD_SCALE) -> None:
-    """Multiply the LM head's random weights by ``scale``. After the final RMSNorm the hidden state has norm
-    sqrt(hidden size), so with SAT's init (std 0.02) and 128 features no logit can exceed about
-    0.02 * 128 = 2.6: a frozen random head keeps every answer near-uniform over the vocabulary, and LoRA
-    alone cannot make one confident. A pretrained model's head has no such bound; scaled, the tiny stand-in
-    lets the CPU demo's adapters learn in a minute."""
+    """Multiply the LM head's random weights by ``scale``: at SAT's init no logit of the tiny model exceeds about
+    2.6, too flat for LoRA alone to make an answer confident."""
     head = model.get_mixin("lm").lm_head
     with torch.no_grad():
         head.weight.mul_(scale)

@@ -1,16 +1,9 @@
 """A tiny LLaMA-style tokenizer trained here, and the loader upstream uses for ``--local_tokenizer``.
 
-Upstream (CogVLM ``utils/utils/language.py``, ``llama2_tokenizer``) loads vicuna-7b-v1.5 with
-``LlamaTokenizer.from_pretrained`` and, when the tokenizer has no pad token, sets pad id 32000. Vicuna
-has one (``<unk>``, id 0), so 32000 is never used there; for a small vocabulary it would be out of
-range, so :func:`llama2_tokenizer` falls back to ``<unk>`` as vicuna does and refuses a pad id
-outside the vocabulary.
-
 :func:`train_tiny_tokenizer` trains a sentencepiece BPE model with LLaMA's conventions (``<unk>``=0,
-``<s>``=1, ``</s>``=2, byte fallback, split digits, no normalisation) on the CAPTCHA alphabet and the
-prompt templates, and saves it with ``LlamaTokenizer.save_pretrained`` (pad token ``<unk>``, like
-vicuna), keeping the ``tokenizer.model`` beside it so sentencepiece-based and tokenizers-based
-``LlamaTokenizer`` versions both load the folder.
+``<s>``=1, ``</s>``=2, byte fallback) and saves it as a ``LlamaTokenizer`` folder (pad ``<unk>``, like vicuna).
+:func:`llama2_tokenizer` uses ``<unk>`` as a missing pad token, where upstream's id 32000 would be out of a
+small vocabulary.
 """
 from __future__ import annotations
 

@@ -83,11 +83,10 @@ def processors(args, tokenizer):
 def add_lora(model, args):
     """As upstream's demo: LoRA on the language model and on EVA; with ``--use_qlora`` the language
     model's linears become NF4 under LoRA, and EVA stays as it is."""
+    model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range,
+                                      qlora=args.use_qlora), reinit=True)
     if args.use_qlora:
-        model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range, qlora=True),
-                        reinit=True)
         return
-    model.add_mixin("lora", LoraMixin(args.num_layers, args.lora_rank, layer_range=args.layer_range), reinit=True)
     eva = model.get_mixin("eva").vit_model
     eva.add_mixin("lora", LoraMixin(args.eva_args["num_layers"], args.lora_rank, layer_range=args.layer_range),
                   reinit=True)

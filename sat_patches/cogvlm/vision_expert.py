@@ -1,21 +1,10 @@
-"""Vision-expert MLP and attention mixins of CogVLM's language model.
+"""Vision-expert MLP and attention mixins of CogVLM's language model (upstream ``utils/models/mixin.py``).
 
-Mirrors CogVLM ``utils/models/mixin.py`` (``LlamaVisionExpertFCMixin``,
-``LlamaVisionExpertAttnMixin``): in every layer of ``vision_layer_range`` the tokens marked by
-``vision_expert_mask`` go through their own QKV/dense and gate/up/down projections, the others
-through the LLaMA layer's. Parameter names are upstream's (state_dict keys under
-``mixins.mlp.`` / ``mixins.rotary.``), so SAT checkpoints of cogvlm-*/cogagent-* load.
-
-Differences from upstream, none of which changes a parameter name or shape:
-* ``params_dtype``/``device``/``skip_init`` are honoured (upstream: fp32 on CPU, always skip_init);
-  with ``skip_init=False`` the experts get the transformer's init methods instead of staying
-  uninitialised memory.
-* The language weights are read from the layer at call time, so SAT's ``LoraMixin`` (which
-  replaces ``attention.query_key_value`` etc.) applies to the language path as upstream.
-* Tokens are routed to the experts without boolean-mask gathers (:mod:`.routing`): the mask is read once
-  per step, not three times per layer; the rotary cache's length likewise. :func:`expert_mlp_forward` and
-  :func:`expert_attention_forward` read only upstream's attribute names, so a CogVLM fork's own mixin
-  classes take them too (``sat_patches.patches.fork_models``).
+In every layer of ``vision_layer_range`` the tokens marked by ``vision_expert_mask`` go through their own
+projections, the others through the LLaMA layer's (read at call time, so SAT's ``LoraMixin`` applies).
+Parameter names are upstream's. Tokens are routed without boolean-mask gathers (:mod:`.routing`);
+:func:`expert_mlp_forward` and :func:`expert_attention_forward` read only upstream's attribute names, so a
+fork's own mixin classes take them too (``sat_patches.patches.fork_models``).
 """
 from __future__ import annotations
 
@@ -24,11 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from sat import mpu
 from sat.model.base_model import BaseMixin
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
-from sat.mpu.utils import divide, split_tensor_along_last_dim
+from sat.mpu.utils import split_tensor_along_last_dim
 from sat.transformer_defaults import attention_fn_default
 
 from ..runtime.tensor_memo import TensorMemo
@@ -71,8 +59,6 @@ class LlamaVisionExpertFCMixin(BaseMixin):
                  init_method=None, output_layer_init_method=None):
         super().__init__()
         place = Placement.resolve(params_dtype, device, skip_init, init_method, output_layer_init_method)
-        self.num_layers = num_layers
-        self.num_vision_layers = num_vision_layers
         self.vision_layer_range = vision_layers(num_layers, num_vision_layers, vision_layer_range)
 
         def column(name):
@@ -111,19 +97,10 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                  init_method=None, output_layer_init_method=None):
         super().__init__()
         place = Placement.resolve(params_dtype, device, skip_init, init_method, output_layer_init_method)
-        world_size = mpu.get_model_parallel_world_size()
-        self.hidden_size = hidden_size
-        self.num_attention_heads = num_heads
-        self.hidden_size_per_attention_head = divide(hidden_size, num_heads)
-        self.num_attention_heads_per_partition = divide(num_heads, world_size)
-        self.inner_hidden_size = num_heads * self.hidden_size_per_attention_head
-        # upstream: pos_idx_in_fp32=False (positions in the buffer's dtype, as the released weights saw). inv_freq
-        # is computed on the CPU, as upstream computes it, then placed: on meta its arithmetic would run torch's
-        # Python reference kernels, whose first call imports torch._dynamo (1.5-2 s of a merge or an export)
+        # upstream: pos_idx_in_fp32=False. inv_freq is computed on the CPU, then placed (on meta its arithmetic
+        # would import torch._dynamo)
         self.rotary_emb = FastRotaryEmbedding(hidden_size // num_heads, pos_idx_in_fp32=False,
                                               device="cpu").to(place.device)
-        self.num_vision_layers = num_vision_layers
-        self.num_layers = num_layers
         self.vision_layer_range = vision_layers(num_layers, num_vision_layers, vision_layer_range)
         self.use_vision_expert = use_vision_expert
         if use_vision_expert:
@@ -131,7 +108,7 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                 hidden_size, 3 * hidden_size, stride=3, gather_output=False, bias=False,
                 module=self, name="vision_query_key_value", **place.parallel_kwargs()))
             self.vision_dense_list = _expert_dict(self.vision_layer_range, lambda: RowParallelLinear(
-                self.inner_hidden_size, hidden_size, input_is_parallel=True, bias=False, final_bias=False,
+                hidden_size, hidden_size, input_is_parallel=True, bias=False, final_bias=False,
                 module=self, name="vision_dense", **place.parallel_kwargs(output_layer=True)))
 
     def attention_forward(self, hidden_states, mask, **kw_args):

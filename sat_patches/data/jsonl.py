@@ -1,8 +1,6 @@
 """Fine-tuning records in JSON Lines: read, check, and turn into (image, history, query, answer) samples.
 
-Upstream's ``ItemDataset`` reads only a folder of ``<label>.jpg`` files with one fixed prompt; the
-answer to "how do I train on my own data" (THUDM/CogVLM#36, #63, #139, #205, #284; multi-turn #428,
-#475; grounding #388) has been "edit ItemDataset yourself". One record per line::
+One record per line::
 
     {"image": "imgs/1.jpg", "prompt": "What is written here?", "answer": "X7KQ"}
     {"image": "imgs/2.jpg", "conversations": [{"user": "Describe it.", "assistant": "A red car."},
@@ -13,12 +11,9 @@ conversation of N turns gives N samples: turn k is asked with turns 1..k-1 as it
 answer is trained on. Grounding boxes are written in CogVLM's text form ``[[x0,y0,x1,y1]]`` (several:
 ``[[x0,y0,x1,y1;x0,y0,x1,y1]]``), integers from 0 to 999 relative to the image's width and height.
 
-Every record is checked when it is read -- JSON, fields, the image (opened and decoded), non-empty
-answers, the boxes -- and each problem is reported with ``file:line`` and what to change. With
-``SAT_PATCHES_BAD_RECORDS=refuse`` (the default) any problem stops the run; with ``skip`` the records
-with problems are left out, each reported by ``file:line``, unless more than
-``SAT_PATCHES_BAD_RECORDS_MAX`` (default 10%) of them are bad. Folders of images follow the same policy. This module needs neither torch nor SAT: the scripts' checks run
-it before anything is launched.
+Every record is checked when it is read (JSON, fields, the image decoded, non-empty answers, the boxes);
+each problem is reported with ``file:line`` and what to change, then :func:`settle` applies
+``SAT_PATCHES_BAD_RECORDS``. Needs neither torch nor SAT: the scripts' checks run it before any launch.
 """
 from __future__ import annotations
 
@@ -61,13 +56,6 @@ class Sample:
     where: str = ""                             # file:line (turn t)
 
 
-def bad_records_policy() -> str:
-    try:
-        return settings.read(SETTING)
-    except settings.SettingError as exc:
-        raise DataError(str(exc)) from None
-
-
 def box_problem(text: str) -> Optional[str]:
     """What is wrong with the ``[[...]]`` boxes in ``text``, or None."""
     for group in BOX.findall(text):
@@ -82,14 +70,15 @@ def box_problem(text: str) -> Optional[str]:
     return None
 
 
-def _image_problem(path: str) -> Optional[str]:
+def image_problem(path: str) -> Optional[str]:
+    """Why the image at ``path`` cannot be used (it is decoded whole), or None."""
     if not os.path.isfile(path):
-        return f"image {path} does not exist"
+        return "does not exist"
     try:
         with Image.open(path) as image:
             image.convert("RGB")  # decodes the whole file: truncated or corrupt files fail here
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
-        return f"image {path} cannot be read ({type(exc).__name__}: {exc})"
+        return f"cannot be read ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -128,9 +117,9 @@ def _record_samples(record, folder: str, where: str) -> Tuple[List[Sample], Opti
         problem = box_problem(query) or box_problem(answer)
         if problem:
             return [], problem + turn
-    problem = _image_problem(path)
+    problem = image_problem(path)
     if problem:
-        return [], problem + ": fix the path (relative to the JSONL file's folder) or remove the record"
+        return [], f"image {path} {problem}: fix the path (relative to the JSONL file's folder) or remove the record"
     rid = str(record.get("id", os.path.splitext(os.path.basename(path))[0]))
     return [Sample(path, q, a, list(turns[:t]), rid, where + (f" (turn {t + 1})" if len(turns) > 1 else ""))
             for t, (q, a) in enumerate(turns)], None
@@ -161,11 +150,6 @@ def read_samples(path: str) -> Tuple[List[Sample], List[str]]:
     return samples, problems
 
 
-def bad_records_max() -> float:
-    """The largest share of bad records ``skip`` trains without (``SAT_PATCHES_BAD_RECORDS_MAX``, default 10%)."""
-    return settings.read(MAX_SETTING)
-
-
 def settle(samples: List[Sample], problems: List[str], path: str, what: str = "record") -> List[Sample]:
     """Apply ``SAT_PATCHES_BAD_RECORDS`` to ``problems`` (``file:line: what``, one per bad record or
     image): ``refuse`` stops at any; ``skip`` reports every one and leaves it out, unless more than
@@ -173,10 +157,14 @@ def settle(samples: List[Sample], problems: List[str], path: str, what: str = "r
     if problems:
         listed = "\n  ".join(problems[:SHOWN]) + (f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN
                                                  else "")
-        if bad_records_policy() == "refuse":
+        try:
+            policy = settings.read(SETTING)
+        except settings.SettingError as exc:
+            raise DataError(str(exc)) from None
+        if policy == "refuse":
             raise DataError(f"{len(problems)} {what}(s) of {path} cannot be used:\n  {listed}\nFix them, or set "
                             f"{SETTING}=skip to train without them.")
-        total, limit = len(problems) + len(samples), bad_records_max()
+        total, limit = len(problems) + len(samples), settings.read(MAX_SETTING)
         if samples and len(problems) > limit * total:
             raise DataError(f"{SETTING}=skip, but {len(problems)} of {total} {what}s of {path} "
                             f"({len(problems) / total:.0%}) cannot be used, more than {MAX_SETTING}={limit:g} "
@@ -204,7 +192,7 @@ def check_data_path(path: str) -> List[str]:
     if not images:
         return [f"data folder {path} holds no readable .jpg image (0 .jpg files): add <label>.jpg images, or pass a "
                 f".jsonl file"]
-    checked = [(p, _image_problem(p)) for p in images]
+    checked = [(p, image_problem(p)) for p in images]
     try:
         settle([p for p, problem in checked if not problem], [f"{p}: {problem}" for p, problem in checked if problem],
                path, "image")

@@ -1,12 +1,7 @@
-"""Patches of a CogVLM fork's own model code: its vision-expert mixins route tokens without boolean masks.
-
-The drop-in finetune scripts run the fork's ``finetune_demo/finetune_cog*_demo.py``, whose models take
-their vision-expert mixins from the fork's ``utils/models/mixin.py`` (THUDM/CogVLM's, as released). Their
-``mlp_forward``/``attention_forward`` route tokens with ``x[mask]``/``out[mask] = ...`` three times per
-layer: a host sync and gather/scatter kernels each, again in every recomputed layer. They are replaced by
-:func:`sat_patches.cogvlm.vision_expert.expert_mlp_forward` and ``expert_attention_forward`` (the mask read
-once per step, :mod:`sat_patches.cogvlm.routing`), which read the same attributes and compute the same
-values. The fork's module is patched when the demo imports it (:mod:`sat_patches.core.on_import`).
+"""Patches of a CogVLM fork's own model code (``utils/models/mixin.py``, patched when the fork's demo imports
+it): its vision-expert mixins' ``mlp_forward``/``attention_forward``, which route tokens with boolean masks
+(host syncs each layer), become :func:`sat_patches.cogvlm.vision_expert.expert_mlp_forward` and
+``expert_attention_forward``, which read the same attributes and compute the same values.
 """
 from __future__ import annotations
 

@@ -442,8 +442,11 @@ def test_greedy_decoding_runs_each_image_tower_once_a_sample_and_decodes_the_sam
         calls.clear()
         with torch.no_grad():  # eos -1: never said, so each decodes its 4 tokens
             return run(model, batch, evaluation.model_inputs(batch), -1, 4), dict(calls)
+    def towers_once(*decode_args):
+        with evaluation.towers_run_once(model):
+            return evaluation._decode(*decode_args)
     plain, plain_calls = decode(evaluation._decode)
-    once, once_calls = decode(evaluation._greedy_tokens)
+    once, once_calls = decode(towers_once)
     assert once == plain and len(plain) == 4
     assert plain_calls == {name: 4 * n for name, n in once_calls.items()} and all(once_calls.values()), \
         (plain_calls, once_calls)

@@ -75,8 +75,7 @@ def test_skip_reports_every_bad_jsonl_record_by_file_and_line_and_refuses_past_t
 
 def checked_and_found(path):
     """(a rank, ended at the timeout if a walk never ends) the folder's check and its images."""
-    from sat_patches.cogvlm.dataset import find_images
-    return jsonl.check_data_path(path), find_images(path)
+    return jsonl.check_data_path(path), jsonl.folder_images(path)
 
 
 @pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
