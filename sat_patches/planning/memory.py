@@ -20,7 +20,7 @@ GB = 1e9
 GiB = 2 ** 30
 
 # runtime shares (measured on this project's CPU ranks; usual sizes on CUDA)
-HOST_BASE_CPU = 0.40 * GiB     # python + torch + SAT + DeepSpeed + gloo, one CPU rank by its first step (ledger, 2 ranks)
+HOST_BASE_CPU = 0.52 * GiB     # python + torch + SAT + DeepSpeed + gloo, one CPU rank by its first step (ledger, 2 ranks)
 HOST_BASE_CUDA = 3.0 * GiB     # the same process with CUDA libraries loaded
 GPU_RUNTIME = 1.0 * GiB        # CUDA context, NCCL buffers, allocator slack
 # the mapped checkpoint is copied in pieces of this size (checkpoints.sharding.CHUNK_BYTES: the setting's default)

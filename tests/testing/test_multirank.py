@@ -24,13 +24,13 @@ def report(marker):
 
 
 def patch_state():
-    """Rank function: is SAT's broadcast_data ours, and which function object is on SAT's module."""
+    """Rank function: is SAT's broadcast_data patched (ours under the hang watch's wrapper), and is the function on
+    SAT's module SAT's own code."""
     import sat.mpu.data
     import sat_patches
     from sat_patches.core.registry import REGISTRY
-    patch = REGISTRY.get("broadcast_data_device")
     return {"is_patched": sat_patches.is_patched("broadcast_data_device"),
-            "sat_has_replacement": sat.mpu.data.broadcast_data is patch.replacement,
+            "sat_has_replacement": REGISTRY.get("broadcast_data_device").is_applied(),
             "code_file": os.path.basename(sat.mpu.data.broadcast_data.__code__.co_filename)}
 
 
@@ -102,7 +102,7 @@ def test_a_failing_function_and_a_script_exit_code(tmp_path):
 @pytest.mark.slow  # SAT imported on two ranks
 def test_patched_and_stock_ranks_differ():
     patched, stock = (run_ranks(patch_state, 1, timeout=180, patches=p)[0] for p in (True, "stock"))
-    assert patched.result == {"is_patched": True, "sat_has_replacement": True, "code_file": "devices.py"}, \
+    assert patched.result == {"is_patched": True, "sat_has_replacement": True, "code_file": "registry.py"}, \
         patched.output[-3000:]
     assert stock.result == {"is_patched": False, "sat_has_replacement": False, "code_file": "data.py"}, \
         stock.output[-3000:]
