@@ -2,19 +2,19 @@
 
 ``import sat_patches`` applies every patch once: at once when SAT is already imported, else the moment SAT is
 imported (so importing sat_patches alone, as its command-line tools do, costs no SAT start-up), through the one
-import hook of :mod:`sat_patches.core.import_hook`, which also serves the CUDA-only modules' stand-ins in this
-process where they are absent (without triton, ``import sat`` needs sat_patches imported first). Per patch opt-out: ``SAT_PATCHES_DISABLE=name1,name2``;
-``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does not look as verified. :func:`status`
-tells what was applied (applying first if SAT was not imported yet), :func:`unpatch` restores the
-originals.
+import hook of :mod:`sat_patches.core.import_hook`, which also serves the CUDA-only modules' stand-ins where they
+are absent (without triton, ``import sat`` needs sat_patches imported first). Per patch opt-out:
+``SAT_PATCHES_DISABLE=name1,name2``; ``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does not look as
+verified. :func:`status` tells what was applied (applying first if SAT was not imported yet), :func:`unpatch`
+restores the originals.
 
 Where things are: :mod:`sat_patches.patches` (the patch records, one module per SAT concern, and the order
 of those that share a target), the libraries they bind (:mod:`sat_patches.runtime`, :mod:`sat_patches.checkpoints`,
 :mod:`sat_patches.diagnostics`, :mod:`sat_patches.lora`, ...), :mod:`sat_patches.core` (the registry, the settings,
 the model kinds), :mod:`sat_patches.cogvlm` (CogVLM/CogAgent models, trainer, evaluation), :mod:`sat_patches.cli`
 (the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run).
-``python -m sat_patches.launch`` runs a script with the
-patches armed; ``python -m sat_patches VERB`` is ``sat-patches VERB``.
+``python -m sat_patches.launch`` runs a script with the patches armed; ``python -m sat_patches VERB`` is
+``sat-patches VERB``.
 """
 from __future__ import annotations
 
@@ -40,18 +40,13 @@ def _registered():
 def _apply_on_import() -> None:
     """Called once SAT is imported: the patches go on, once no module of ours is mid-import (their records import
     our modules, and one half-imported cannot be imported from)."""
-    if _auto["pending"] and not _auto["applying"]:
-        HOOK.when_own_imports_done(_apply_if_pending)
-
-
-def _apply_if_pending() -> None:
-    if _auto["pending"] and not _auto["applying"]:
-        apply()
+    HOOK.when_own_imports_done(_applied)
 
 
 def _applied():
     """The registry after the automatic apply, if that is still waiting for ``import sat``."""
-    _apply_if_pending()
+    if _auto["pending"] and not _auto["applying"]:
+        apply()
     return _registered()
 
 

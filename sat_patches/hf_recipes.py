@@ -2,17 +2,10 @@
 
 The recipes (bf16 load, 4-bit load with bitsandbytes, the PEFT adapter on the exported base) run the released
 models' own remote code (``modeling_cogvlm.py`` / ``modeling_cogagent.py``), which predates transformers 5 and
-breaks outside a narrow window of its dependencies. Measured on one H200 with torch 2.11 + CUDA 13:
+breaks outside a narrow window of its dependencies (:data:`BROKEN_4BIT`).
 
-* transformers 4.41.2 with accelerate 1.15.0: the 4-bit load raises ``ValueError: .to is not supported for
-  4-bit or 8-bit bitsandbytes models`` inside ``from_pretrained`` (transformers hands the model to accelerate's
-  ``dispatch_model``, which calls ``model.to``), with or without ``device_map``;
-* the same with accelerate 0.30.1: it loads and runs;
-* transformers 5.x: the released remote code does not run.
-
-One home for the set: ``setup.py`` reads :data:`PINS` from this file as text (it imports nothing of the package),
-``sat-patches doctor`` compares what is installed against :data:`BROKEN_4BIT`, the README states the set (a test
-keeps the three equal). Plain Python: no torch, no SAT.
+``setup.py`` reads :data:`PINS` from this file as text, ``sat-patches doctor`` compares what is installed against
+it, the README states the set (a test keeps the three equal). Plain Python: no torch, no SAT.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""``sat-patches doctor``: one screen on whether this machine can run a multi-GPU SAT fine-tuning job.
-
-Checks torch/CUDA/NCCL, SAT, DeepSpeed, bitsandbytes (and its CUDA binary), ninja; the GPUs (count,
-model, memory, driver alike); host RAM against what a planned run needs (``--model``, see
-``sat-patches plan``); LOCAL_WORLD_SIZE / WORLD_SIZE / CUDA_VISIBLE_DEVICES and ``.deepspeed_env``;
-the hostfile; NCCL_* and PYTORCH_CUDA_ALLOC_CONF; the collective timeout; which sat_patches patches
-are applied; transformers/accelerate against the version set of the README's Hugging Face recipes.
-Every problem says what to do. Exit status 1 when any check fails (blocking), else 0. It runs, and says
-what matters, on a CPU-only machine too.
+"""``sat-patches doctor``: one screen on whether this machine can run a multi-GPU SAT fine-tuning job; every
+problem says what to do, and the exit status is 1 when any check fails (blocking). It runs on a CPU-only machine too.
 
 The facts are gathered by :mod:`.doctor_facts` and checked by :mod:`.doctor_checks`; this module prints them.
 """
@@ -55,13 +48,13 @@ def cmd_doctor(args) -> int:
     if args.model:
         plan_host_need(facts, args.model, args.gpus, args.gpu_mem)
     checks = run(facts)
+    blocking = sum(c.status == FAIL for c in checks)
     if args.json:
         print(json.dumps({"checks": [asdict(c) for c in checks], "versions": facts.versions,
-                          "settings": settings.table(facts.env),
-                          "blocking": sum(c.status == FAIL for c in checks)}, indent=1))
+                          "settings": settings.table(facts.env), "blocking": blocking}, indent=1))
     else:
         print(format_checks(checks, facts))
-    return 1 if any(c.status == FAIL for c in checks) else 0
+    return 1 if blocking else 0
 
 
 def add_parser(sub) -> None:

@@ -249,10 +249,9 @@ def check_comm_env(f: Facts) -> Check:
     if env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
         warns.append((f"NCCL_DEBUG={env['NCCL_DEBUG']}: very verbose logs", "unset NCCL_DEBUG once NCCL works"))
     text = ", ".join(f"{k}={env[k]}" for k in shown) or "no NCCL_*/PYTORCH_CUDA_ALLOC_CONF set"
-    if fails:
-        return Check("nccl/alloc env", FAIL, "; ".join(p for p, _ in fails), "; ".join(x for _, x in fails))
-    if warns:
-        return Check("nccl/alloc env", WARN, "; ".join(p for p, _ in warns), "; ".join(x for _, x in warns))
+    for status, found in ((FAIL, fails), (WARN, warns)):
+        if found:
+            return Check("nccl/alloc env", status, "; ".join(p for p, _ in found), "; ".join(x for _, x in found))
     return Check("nccl/alloc env", OK, text)
 
 

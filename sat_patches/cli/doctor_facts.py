@@ -81,12 +81,8 @@ def gather(hostfile: str = "hostfile") -> Facts:
     v["python"] = platform.python_version()
     v["torch"], v["torch_cuda"] = torch.__version__, torch.version.cuda
     v["sat"] = _version("SwissArmyTransformer")
-    v["deepspeed"] = _version("deepspeed")
-    v["bitsandbytes"] = _version("bitsandbytes")
-    v["matplotlib"] = _version("matplotlib")
-    v["transformers"] = _version("transformers")
-    v["accelerate"] = _version("accelerate")
-    v["sat_patches"] = _version("sat_patches")
+    for name in ("deepspeed", "bitsandbytes", "matplotlib", "transformers", "accelerate", "sat_patches"):
+        v[name] = _version(name)
     facts.cuda_available = torch.cuda.is_available()
     if facts.cuda_available:
         try:
@@ -134,7 +130,6 @@ def plan_host_need(facts: Facts, model: str, gpus: Optional[int], gpu_mem: Optio
     gpus = gpus or len(facts.gpus)
     gpu_mem = gpu_mem or (min(g["memory_gb"] for g in facts.gpus) if facts.gpus else None)
     if not gpus or not gpu_mem:
-        facts.host_needed_note = ""
         return
     config = shapes.resolve_model(model)
     best = search.recommend(search.options(config, gpus, gpu_mem, seq_len=shapes.default_seq_len(config)))

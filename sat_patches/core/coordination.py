@@ -121,27 +121,22 @@ def store_gather(name: str, value: str, timeout: Optional[float] = None) -> List
     return [store.get(k).decode() for k in keys]
 
 
-_node_ranks: Dict[Tuple[int, int], List[int]] = {}
+_node_ranks: Dict[Tuple[int, int], List[int]] = {}   # (rank, world size) -> the global ranks on its node
 
 
-def node_ranks() -> List[int]:
-    """Global ranks on this rank's node (same host and launcher node rank), from every rank."""
+def check_local_world_size() -> Optional[int]:
+    """Set ``LOCAL_WORLD_SIZE`` (SAT's node groups) to the ranks really on this node (same host and launcher node
+    rank), warning where it differed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     me = (dist.get_rank(), dist.get_world_size())
     if me not in _node_ranks:
         node = "|".join((socket.gethostname(), os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK")
                          or os.environ.get("NODE_RANK") or ""))
-        nodes = store_gather("node", node)
-        _node_ranks[me] = [r for r, n in enumerate(nodes) if n == node]
-    return _node_ranks[me]
-
-
-def check_local_world_size() -> Optional[int]:
-    """Set ``LOCAL_WORLD_SIZE`` (SAT's node groups) to the ranks really on this node, warning where it differed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    ranks = node_ranks()
+        _node_ranks[me] = [r for r, n in enumerate(store_gather("node", node)) if n == node]
+    ranks = _node_ranks[me]
     real, said = len(ranks), os.environ.get("LOCAL_WORLD_SIZE")
-    world = dist.get_world_size()
+    world = me[1]
     contiguous = ranks == list(range(ranks[0], ranks[0] + real)) and ranks[0] % real == 0 and world % real == 0
     if not contiguous:
         warnings.warn(f"ranks {ranks} share this node: SAT's node groups assume consecutive blocks of "

@@ -44,18 +44,16 @@ class ServedModulePatch(Patch):
             parent = sys.modules.get(parent_name) if parent_name else None
             if parent is not None and hasattr(parent, leaf):
                 delattr(parent, leaf)
-        self.replacement = None
         self.status, self.reason = "restored", ""
 
 
 class QuietThirdPartyPatch(Patch):
     """The log filters of :mod:`sat_patches.core.noise` as a registry entry."""
 
-    def current(self):
+    def is_applied(self) -> bool:
         return noise.is_installed()
 
-    def is_applied(self) -> bool:
-        return self.current()
+    current = is_applied
 
     def apply(self, force: bool = False, aliases=None) -> None:  # (binds no function: no aliases to rebind)
         noise.install()

@@ -25,10 +25,7 @@ class DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.text)
 
 
-def installed(logger_name: str) -> bool:
-    return any(isinstance(f, DropMessage) for f in logging.getLogger(logger_name).filters)
-
-
+FILTERS = {name: DropMessage(text) for name, text in QUIETED.items()}
 QUIETED_WARNINGS = ("'pin_memory' argument is set as true but no accelerator is found",)
 
 
@@ -38,23 +35,20 @@ def _warning_filters():
 
 
 def install() -> None:
-    for name, text in QUIETED.items():
-        if not installed(name):
-            logging.getLogger(name).addFilter(DropMessage(text))
+    for name, f in FILTERS.items():
+        logging.getLogger(name).addFilter(f)  # (a filter already there is not added twice)
     if not _warning_filters():
         for text in QUIETED_WARNINGS:
             warnings.filterwarnings("ignore", message=re.escape(text), category=UserWarning)
 
 
 def remove() -> None:
-    for name in QUIETED:
-        logger = logging.getLogger(name)
-        for f in [f for f in logger.filters if isinstance(f, DropMessage)]:
-            logger.removeFilter(f)
+    for name, f in FILTERS.items():
+        logging.getLogger(name).removeFilter(f)
     for f in _warning_filters():
         warnings.filters.remove(f)
     getattr(warnings, "_filters_mutated", lambda: None)()  # warnings seen before may show again
 
 
 def is_installed() -> bool:
-    return all(installed(name) for name in QUIETED) and bool(_warning_filters())
+    return all(f in logging.getLogger(name).filters for name, f in FILTERS.items()) and bool(_warning_filters())

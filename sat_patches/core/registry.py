@@ -184,14 +184,14 @@ class Aliases:
         self._where: Dict[int, List[Tuple[dict, str]]] = {}   # id(object) -> [(namespace, name)]
         self._seen: set = set()
         self._roots: set = set()
-        self._modules = -1   # len(sys.modules) at the last pass: a pass over it is ~10 ms with torch loaded
+        self._modules = -1   # len(sys.modules) at the last pass: no new modules, no new pass
 
     def _index(self, roots) -> None:
         if len(sys.modules) == self._modules and roots <= self._roots:
             return
         self._modules, self._roots = len(sys.modules), self._roots | roots
         collecting = gc.isenabled()
-        gc.disable()  # ~10^5 small tuples: with torch's heap loaded, the collections they trigger cost ~0.5 s
+        gc.disable()  # the index is ~10^5 small tuples: no collections over torch's heap while building it
         try:
             for mod_name, module in list(sys.modules.items()):
                 if module is None or mod_name in self._seen:
