@@ -29,7 +29,10 @@ from .trainer import add_lora, model_inputs, processors
 def greedy_answer(model, batch, tokenizer, steps: int = 8) -> str:
     """Greedy decoding after the batch's prompt (its first ``context_length`` tokens), without a cache."""
     with torch.no_grad(), towers_run_once(model):
-        return tokenizer.decode(_decode(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps))
+        tokens = _decode(model, batch, model_inputs(batch), tokenizer.eos_token_id, steps)
+    # SAT pads the vocabulary (to a multiple of 128): an id past the tokenizer's is a padding slot, no text
+    # (transformers before 4.42 raises for it: "piece id is out of range")
+    return tokenizer.decode([t for t in tokens if t < len(tokenizer)])
 
 
 # the image towers, by upstream's parameter names (a checkout's classes have them too): EVA2-CLIP of CogVLM and

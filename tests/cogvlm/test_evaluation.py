@@ -60,3 +60,26 @@ def test_predictions_are_the_same_at_mp2_at_mp1_and_over_two_data_parallel_ranks
     with open(tmp_path / "mp2" / "summary.json") as f:
         assert json.load(f)["char_accuracy"] == mp2["char_accuracy"]
     assert "evaluation: exact match " in output and "/5 (" in output
+
+
+def test_an_answer_leaves_out_the_padded_vocabularys_slots(monkeypatch):
+    """SAT pads the vocabulary past the tokenizer's; a padding id decoded by transformers before 4.42 raises
+    ("piece id is out of range"), so the answer holds only ids the tokenizer has."""
+    import contextlib
+    from sat_patches.cogvlm import evaluation
+
+    class Tokenizer:
+        eos_token_id = 2
+
+        def __len__(self):
+            return 100
+
+        def decode(self, ids):
+            if any(i >= 100 for i in ids):
+                raise IndexError("piece id is out of range.")
+            return " ".join(map(str, ids))
+
+    monkeypatch.setattr(evaluation, "_decode", lambda *a: [5, 120, 7])
+    monkeypatch.setattr(evaluation, "model_inputs", lambda batch: batch)
+    monkeypatch.setattr(evaluation, "towers_run_once", lambda model: contextlib.nullcontext())
+    assert evaluation.greedy_answer(None, {}, Tokenizer()) == "5 7"
