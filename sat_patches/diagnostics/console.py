@@ -19,12 +19,6 @@ class CurrentRun:
     iteration = None
 
 
-def write_arguments(args, path: str) -> None:
-    with open(path, "w") as f:
-        for name, value in vars(args).items():
-            f.write(f"{name} = {value!r}\n")
-
-
 def record_times(run_dir: str, iteration, times: dict) -> None:
     path = os.path.join(run_dir, STEP_TIMES_CSV)
     fresh = not os.path.exists(path)
@@ -54,7 +48,9 @@ def print_args_to_file(original, args) -> None:
         return original(args)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, ARGUMENTS_TXT)
-    write_arguments(args, path)
+    with open(path, "w") as f:
+        for name, value in vars(args).items():
+            f.write(f"{name} = {value!r}\n")
     if rank0():
         print(f"arguments: {len(vars(args))} settings in {path}", flush=True)
 

@@ -91,11 +91,7 @@ class Heartbeat:
                 pass
             reason = fenced.HEARTBEAT.run(self.dead)
             if reason and not self.stop.is_set():
-                self.fire(reason)
-
-    def fire(self, reason: str) -> None:
-        """End the run on this rank for ``reason`` through :func:`hangs.fire`."""
-        hangs.fire(reason, threading.main_thread().ident, leader=True)
+                hangs.fire(reason, threading.main_thread().ident, leader=True)
 
     def wait_for_dead(self) -> Optional[str]:
         """After a failed collective: wait at most 3 beats (+ one) for a silent peer to name."""
@@ -123,11 +119,6 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     return _heartbeat
 
 
-def lost_peer(exc: BaseException) -> bool:
-    """A failure that a dead peer can cause (worth waiting a few beats to name it)."""
-    return PEER_LOST in error_kinds(exc)
-
-
 def training_main_with_heartbeat(original, args, *a, **kw):
     """SAT's ``training_main`` with this rank's heartbeat running (THUDM/CogVLM#283, #320: a SIGKILLed rank
     leaves the others waiting, unnamed); a collective failing with a lost peer waits a few beats to name it."""
@@ -136,10 +127,10 @@ def training_main_with_heartbeat(original, args, *a, **kw):
     try:
         result = original(args, *a, **kw)
     except Exception as exc:
-        if hb is not None and lost_peer(exc):
+        if hb is not None and PEER_LOST in error_kinds(exc):  # a dead peer can cause it: wait a few beats to name it
             reason = hb.wait_for_dead()
             if reason:
-                hb.fire(reason)
+                hangs.fire(reason, threading.main_thread().ident, leader=True)
         raise
     if hb is not None:
         hb.done()

@@ -82,9 +82,8 @@ class Ledger:
     def flush(self, run_dir: Optional[str], title: str = "") -> List[Row]:
         """Gather; rank 0 writes the rows, and prints the table the first time and when a rank stands far above."""
         new = self.gather()  # every rank takes part, even with the ledger off here (the others wait for it)
-        if _rank() != 0 or fenced.LEDGER.off:
-            return new
-        fenced.LEDGER.run(self._show, new, run_dir, title)
+        if _rank() == 0:
+            fenced.LEDGER.run(self._show, new, run_dir, title)
         return new
 
     def _show(self, new: List[Row], run_dir: Optional[str], title: str) -> None:
@@ -114,10 +113,9 @@ def train_step_recorded(original, data_iterator, model, optimizer, lr_scheduler,
     LEDGER.steps += 1
     iteration = getattr(args, "iteration", 0) + 1       # train() counts the step after train_step returns
     interval = max(1, getattr(args, "log_interval", 1) or 1)
-    if LEDGER.steps == 1:
-        fenced.LEDGER.run(LEDGER.record, "first_step", iteration)
-        LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})")
-    elif iteration % interval == 0:
-        fenced.LEDGER.run(LEDGER.record, "step", iteration)
-        LEDGER.flush(run_directory(args), title=f"iteration {iteration}")
+    first = LEDGER.steps == 1
+    if first or iteration % interval == 0:
+        fenced.LEDGER.run(LEDGER.record, "first_step" if first else "step", iteration)
+        LEDGER.flush(run_directory(args), title=f"after the first step (iteration {iteration})" if first
+                     else f"iteration {iteration}")
     return result

@@ -83,9 +83,7 @@ def read(run_dir: str) -> List[Row]:
 
 
 def latest_per_rank(rows: List[Row]) -> List[Row]:
-    last: Dict[int, Row] = {}
-    for r in rows:
-        last[r.rank] = r
+    last = {r.rank: r for r in rows}  # each rank's latest row
     return [last[k] for k in sorted(last)]
 
 

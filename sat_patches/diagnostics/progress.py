@@ -46,30 +46,32 @@ _last_drawn: Dict[str, float] = {}  # run directory -> time.monotonic() of its l
 def record_step(run_dir: str, step: int, loss: float, lr: float, elapsed_ms: float, spread: float = 0.0,
                 last: bool = False) -> None:
     """Append the step to the run's loss curve; redraw its PNG (with matplotlib) at the ``last`` step and every
-    :data:`REDRAW_SECONDS`. ``spread``: :func:`model_parallel_spread`."""
+    :data:`REDRAW_SECONDS`. ``spread``: :func:`model_parallel_spread`. A full or read-only disk is only warned
+    about (the next step tries again)."""
     path = os.path.join(run_dir, CURVE_CSV)
-    os.makedirs(run_dir, exist_ok=True)
-    fresh = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if fresh:
-            writer.writerow(CURVE_COLUMNS)
-        writer.writerow([step, loss, lr, elapsed_ms / 1000, spread])
-    now = time.monotonic()
-    if not last and now - _last_drawn.setdefault(run_dir, now) < REDRAW_SECONDS:
-        return
-    _last_drawn[run_dir] = now
     try:
-        draw_loss_curve(run_dir)
-    except RuntimeError:  # no matplotlib: the CSV is the curve
-        pass
+        os.makedirs(run_dir, exist_ok=True)
+        fresh = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if fresh:
+                writer.writerow(CURVE_COLUMNS)
+            writer.writerow([step, loss, lr, elapsed_ms / 1000, spread])
+        now = time.monotonic()
+        if not last and now - _last_drawn.setdefault(run_dir, now) < REDRAW_SECONDS:
+            return
+        _last_drawn[run_dir] = now
+        try:
+            draw_loss_curve(run_dir)
+        except RuntimeError:  # no matplotlib: the CSV is the curve
+            pass
+    except OSError as exc:
+        warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
 
 
-class DropSatIterationLine(logging.Filter):
-    """Drops SAT's own per-interval iteration line (:data:`SAT_LINE`) from the ``sat`` logger."""
-
-    def filter(self, record):
-        return SAT_LINE not in record.getMessage()
+def not_sat_iteration_line(record: logging.LogRecord) -> bool:
+    """A filter of the ``sat`` logger dropping SAT's own per-interval iteration line (:data:`SAT_LINE`)."""
+    return SAT_LINE not in record.getMessage()
 
 
 def print_progress(optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics) -> None:
@@ -94,25 +96,16 @@ def model_parallel_spread(loss: float, step: int) -> float:
     return spread
 
 
-def record_curve(run_dir: str, step, loss, lr, elapsed_time, spread: float = 0.0, last: bool = False) -> None:
-    """:func:`record_step`, a full or read-only disk only warned about (the next step tries again)."""
-    try:
-        record_step(run_dir, step, loss, lr, elapsed_time, spread, last)
-    except OSError as exc:  # a full or read-only disk: a warning, the next step tries again
-        warnings.warn(f"sat_patches: loss curve not written to {run_dir}: {exc}", SatPatchesWarning)
-
-
 def report_iteration_progress(original, summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args,
                               avg_metrics) -> None:
     """SAT's ``report_iteration_metrics`` without its long line (TensorBoard / wandb as before); rank 0 prints
     :func:`progress_line` and appends the step to the loss curve, both fenced."""
     sat_logger = logging.getLogger("sat")
-    quiet = DropSatIterationLine()
-    sat_logger.addFilter(quiet)
+    sat_logger.addFilter(not_sat_iteration_line)
     try:  # SAT's TensorBoard / wandb reporting, without its line
         original(summary_writer, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
     finally:
-        sat_logger.removeFilter(quiet)
+        sat_logger.removeFilter(not_sat_iteration_line)
     console.note_iteration(args, step)
     # every rank reaches this call at the same iteration: the gather within each model-parallel group is safe here
     spread = fenced.MODEL_PARALLEL_LOSSES.run(model_parallel_spread, loss, step, default=0.0)
@@ -121,7 +114,7 @@ def report_iteration_progress(original, summary_writer, optimizer, lr, loss, ela
     fenced.PROGRESS.run(print_progress, optimizer, lr, loss, elapsed_time, step, total_step, args, avg_metrics)
     run_dir = run_directory(args)
     if run_dir:
-        fenced.LOSS_CURVE.run(record_curve, run_dir, step, loss, lr, elapsed_time, spread, step >= total_step)
+        fenced.LOSS_CURVE.run(record_step, run_dir, step, loss, lr, elapsed_time, spread, step >= total_step)
 
 
 def report_evaluate_metrics_float32(original, summary_writer, prefix, loss, ppl, step, args, avg_metrics):

@@ -88,28 +88,24 @@ def in_sat_call(name: str, original, *args, **kwargs):
     try:
         return original(*args, **kwargs)
     except Exception as exc:
-        watchdog = current_watchdog()
-        if watchdog is not None and watchdog.fired.locked():
+        if _watchdog is not None and _watchdog.fired.locked():
             # the watchdog is reporting a hang of this rank and exits the process; a peer that already exited
             # can fail this rank's collective first ("Connection closed by peer"): wait for that exit
-            with watchdog.fired:
+            with _watchdog.fired:
                 raise
-        if TIMED_OUT in error_kinds(exc) and _raised_in_torch_distributed(exc):
-            seconds = watchdog.timeout if watchdog is not None else _default_timeout()
-            frames = _traceback_frames(exc)
-            fire(f"collective '{_collective_name(frames) or '?'}' did not complete within {seconds:g} s "
+        frames = _traceback_frames(exc)
+        # raised by torch.distributed itself (a collective, the store), not an error of SAT's or of ours that
+        # mentions a timeout (the preprocessing wait's, say)
+        if TIMED_OUT in error_kinds(exc) and frames and _TORCH_DISTRIBUTED in frames[0][0].f_code.co_filename:
+            seconds = _watchdog.timeout if _watchdog is not None else _default_timeout()
+            collective = _collective_frame(frames)
+            waited = collective.f_code.co_name if collective is not None else "?"
+            fire(f"collective '{waited}' did not complete within {seconds:g} s "
                  f"({str(exc).strip().splitlines()[0][:300]})", threading.get_ident(), leader=True,
                  where=_describe(frames, True, name))
         raise
     finally:
         calls.pop()
-
-
-def _raised_in_torch_distributed(exc: BaseException) -> bool:
-    """Raised by torch.distributed itself (a collective, the store), not an error of SAT's or of ours that
-    mentions a timeout (the preprocessing wait's, say)."""
-    frames = _traceback_frames(exc)
-    return bool(frames) and _TORCH_DISTRIBUTED in frames[0][0].f_code.co_filename
 
 
 def _traceback_frames(exc: BaseException) -> list:
@@ -143,11 +139,6 @@ def _collective_frame(frames: list):
         if frame.f_code.co_name in COLLECTIVES:
             found = frame
     return found
-
-
-def _collective_name(frames: list) -> Optional[str]:
-    frame = _collective_frame(frames)
-    return frame.f_code.co_name if frame is not None else None
 
 
 def _describe(frames: list, in_collective: bool, sat_call: Optional[str]) -> str:
@@ -236,14 +227,14 @@ class Watchdog:
         self.backstop_at = wanted
 
     # -- SIGTERM (torchrun ends the other ranks with it when one fails) -----------------------
-    def catch_sigterm(self) -> bool:
+    def catch_sigterm(self) -> None:
         """(main thread) On SIGTERM: faulthandler dumps every thread's stack at once (from C, whatever the
         main thread is blocked in), then this thread reports where the rank waited and exits
         :data:`TERMINATED_EXIT_CODE`. Left alone when SIGTERM already has a handler other than the default."""
         if threading.current_thread() is not threading.main_thread() or \
                 signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return False
-        signal.signal(signal.SIGTERM, _on_sigterm)
+            return
+        signal.signal(signal.SIGTERM, _terminated)
         reader, writer = socket.socketpair()
         writer.setblocking(False)
         if signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False) != -1:
@@ -253,7 +244,6 @@ class Watchdog:
             self.wakeup, self._writer = reader, writer
         faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
         os.register_at_fork(after_in_child=_forget_sigterm)
-        return True
 
     def _wait(self) -> bool:
         """Sleep a poll; True when a SIGTERM arrived meanwhile."""
@@ -317,17 +307,8 @@ def start_watchdog(timeout: Optional[float] = None) -> Watchdog:
     return _watchdog
 
 
-def current_watchdog() -> Optional[Watchdog]:
-    """This rank's watchdog, None before :func:`start_watchdog`."""
-    return _watchdog
-
-
-def _on_sigterm(signum, frame) -> None:
-    """Python's handler of SIGTERM (on the main thread, once it runs Python again)."""
-    _terminated()
-
-
-def _terminated() -> None:
+def _terminated(*_signal_args) -> None:
+    """On SIGTERM: Python's handler (on the main thread, once it runs Python again), or the watchdog thread."""
     fire("received SIGTERM (a launcher such as torchrun ends every rank with it when one rank fails)",
          threading.main_thread().ident, leader=True, status=TERMINATED_EXIT_CODE, stacks_dumped=True)
 

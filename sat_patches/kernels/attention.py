@@ -4,8 +4,7 @@ SAT 0.4.12's ``attention_fn_default`` compares the whole attention mask with a l
 checks it for all-ones on every call: two host syncs per layer, again in every recomputed layer, before it
 chooses torch's fused ``scaled_dot_product_attention`` (causal or full) or its own masked softmax. Here the
 mask's kind is read once per mask (:class:`~sat_patches.runtime.tensor_memo.TensorMemo`); the choice and the
-call are SAT's, keys and values expanded (copied) to the query heads as SAT does: what a layer keeps for backward,
-and so the plan's memory figures, stay as measured.
+call are SAT's, keys and values expanded (copied) to the query heads as SAT does.
 """
 from __future__ import annotations
 

@@ -4,19 +4,17 @@ Patches sharing a target are ordered in :data:`STACKS` (innermost first, with th
 """
 from ..core.registry import REGISTRY
 
-from . import (rotary, standins, adapters, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
-               fork_models, hangs, ledger, loading, lora, preprocess, progress, resume, trainable)
+from . import (rotary, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
+               fork_models, hangs, ledger, loading, lora, preprocess, progress, resume)
 
 # Innermost first.
 MODULES = [
     rotary,
-    standins,
     devices,
     faults,
     distributed,
     deepspeed_setup,
     lora,
-    trainable,
     construction,
     loading,
     ledger,
@@ -24,7 +22,6 @@ MODULES = [
     console,
     hangs,
     resume,
-    adapters,
     checkpointing,
     preprocess,
     attention,

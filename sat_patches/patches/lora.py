@@ -1,11 +1,14 @@
 """Patches binding :mod:`sat_patches.lora` to SAT's ``lora2``: the layer, its injection, merge and QLoRA re-init.
 Stock ``lora2`` copies every base layer to the CPU, never sums ``x @ A^T`` over row-parallel ranks, merges into a
-plain ``nn.Linear(...).cuda()``, and fails with a ``NameError`` under ``qlora=True``.
+plain ``nn.Linear(...).cuda()``, and fails with a ``NameError`` under ``qlora=True``. ``SAT_PATCHES_TRAINABLE=lora``:
+only the LoRA adapters train, whatever the script leaves trainable (CogVLM's demos also train EVA layers, CogAgent's
+the cross encoder and vision experts, which costs 24 GB cards their fit).
 """
 from __future__ import annotations
 
 from ..core.registry import Patch, delegate, expect_names, expect_params
 from ..lora.layer import LoraLinear, merge_linear_lora, reinit_lora_mixin, replace_linear_with_lora
+from ..runtime.trainable import setup_with_trainable_setting
 
 
 def _expect_lora_linear(cls):
@@ -40,5 +43,9 @@ PATCHES = [
           answers="LoraMixin(qlora=True).reinit leaves the transformer's linears float and unquantised, "
                   "cloning each (THUDM/CogVLM#438)",
           expect=expect_names("replace_linear_with_lora", "HackLinearNF4")),
+    Patch("trainable_setting", "sat.training.deepspeed_training:setup_model_untrainable_params_and_optimizer",
+          delegate(setup_with_trainable_setting),
+          answers="CogVLM's finetune demos train far more than LoRA (EVA MLP layers 46-54; CogAgent's cross "
+                          "encoder, vision experts, EVA); SAT_PATCHES_TRAINABLE=lora trains the adapters only",
+          expect=expect_names("disable_untrainable_params")),
 ]
-

@@ -1,4 +1,5 @@
-"""A pure-torch rotary kernel for SAT's ``FastRotaryEmbedding`` where triton or CUDA is missing.
+"""A pure-torch rotary kernel for SAT's ``FastRotaryEmbedding`` where triton or CUDA is missing, and xformers
+(CUDA wheels only) served by a stand-in where it is not installed (:mod:`sat_patches.core.import_hook`).
 
 SAT's ``sat/model/position_embedding/triton_rotary.py`` imports ``triton`` at module level, so
 ``import sat`` fails without it, and its kernel only runs on CUDA tensors. LLaMA, hence CogVLM's
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ..core.import_hook import TRITON_ROTARY
+from ..core.import_hook import TRITON_ROTARY, XFORMERS
 from ..core.module_patches import ServedModulePatch
 from ..core.registry import Patch
 from ..kernels.rotary import apply_rotary
@@ -45,4 +46,8 @@ PATCHES = [
           _dispatching_apply_rotary,
           answers="FastRotaryEmbedding (LLaMA, CogVLM) runs a triton kernel with no CPU path",
           expect=_expect_rotary_signature),
+    ServedModulePatch(
+        "xformers_standin", "sys.modules:" + XFORMERS, make=None,
+        answers="xformers ships CUDA wheels only; CogVLM's EVA2-CLIP attention calls "
+                "xformers.ops.memory_efficient_attention: served from torch's scaled_dot_product_attention"),
 ]

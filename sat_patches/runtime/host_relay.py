@@ -141,11 +141,6 @@ class HostRelayGroup(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=AllToAllOptions()):
         return self._run("alltoall_base", output, input, opts, output_split_sizes, input_split_sizes)
 
-    # the names torch before 2.13 calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``)
-    _allgather_base = all_gather_single
-    _reduce_scatter_base = reduce_scatter_single
-    alltoall_base = all_to_all_single
-
     def barrier(self, opts=BarrierOptions()):
         self.gloo.barrier(BarrierOptions()).wait()
         return _done()

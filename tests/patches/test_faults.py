@@ -93,7 +93,10 @@ def test_heartbeat_names_silent_peer_and_ignores_finished_one():
 
 def test_only_a_lost_connection_waits_to_name_a_dead_peer():
     import torch.distributed as dist
-    from sat_patches.diagnostics.heartbeat import lost_peer as _lost_peer
+    from sat_patches.core.coordination import PEER_LOST, error_kinds
+
+    def _lost_peer(exc):  # what training_main_with_heartbeat waits a few beats on
+        return PEER_LOST in error_kinds(exc)
     assert _lost_peer(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                                    "[127.0.0.1]:4321"))
     assert _lost_peer(dist.DistNetworkError("failed to recv, got 0 bytes"))

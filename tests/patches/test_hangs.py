@@ -131,7 +131,7 @@ def pg_timeout_and_watchdog():
     def seen():
         groups = [torch.distributed.distributed_c10d._get_default_group(), mpu.get_data_parallel_group()]
         return {"groups": [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups],
-                "watchdog": None if hangs.current_watchdog() is None else hangs.current_watchdog().timeout}
+                "watchdog": None if hangs._watchdog is None else hangs._watchdog.timeout}
     with patches_removed("collective_timeout"):
         args = sat.get_args(list(ARGS))
         without = seen()
