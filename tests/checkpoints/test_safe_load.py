@@ -6,23 +6,7 @@ import torch
 
 from sat_patches.checkpoints import safe_load
 from multirank import run_ranks
-
-
-class Payload:
-    """Runs ``touch <marker>`` when unpickled in full: what a malicious file would do, made harmless."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def plant(checkpoint_file: str, marker: str) -> None:
-    """Add a :class:`Payload` to a saved dict (a file this test wrote itself)."""
-    state = torch.load(checkpoint_file, weights_only=False)
-    state["payload"] = Payload(marker)
-    torch.save(state, checkpoint_file)
+from payload import plant
 
 
 def tiny_checkpoint(path, marker):

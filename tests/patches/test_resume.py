@@ -14,6 +14,7 @@ import os
 import pytest
 
 from multirank import run_ranks
+from payload import plant
 
 pytestmark = pytest.mark.multirank
 
@@ -22,24 +23,6 @@ RESUME_SAVE_SIDE = ["resume_optimizer_save", "resume_lr_schedule_state"]
 BASE = ["--model-parallel-size", "2", "--mode", "pretrain", "--train-iters", "8", "--save-interval", "4",
         "--log-interval", "4", "--lr-decay-style", "cosine", "--lr", "0.05", "--lora-rank", "2",
         "--eval-interval", "100000"]
-
-
-class Payload:
-    """Runs ``touch <marker>`` when unpickled in full: what a malicious file would do, made harmless."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def plant(checkpoint_file: str, marker: str) -> None:
-    """Add a :class:`Payload` to a saved dict (a file this rank wrote itself)."""
-    import torch
-    state = torch.load(checkpoint_file, weights_only=False)
-    state["payload"] = Payload(marker)
-    torch.save(state, checkpoint_file)
 
 
 def train_stop_resume(root):
