@@ -65,16 +65,13 @@ def allowed_globals() -> List[object]:
     return safe_numpy.standins(NUMPY_STANDINS) + [obj for obj in others if obj is not None]
 
 
-def _allowed_names() -> set:
-    return {f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', ''))}"
-            for o in allowed_globals()} | set(ALLOWED)
-
-
 def check(path: str) -> None:
     """Refuse ``path`` when its pickle names a global outside the allow-list (read, not run)."""
     if trusted():
         return
-    unknown = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - _allowed_names())
+    allowed = {f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', ''))}"
+               for o in allowed_globals()} | set(ALLOWED)
+    unknown = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed)
     if unknown:
         raise UnsafeCheckpointError(
             f"'{path}' names {', '.join(unknown)}, which a SAT or DeepSpeed checkpoint does not hold; unpickling "

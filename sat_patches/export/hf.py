@@ -24,10 +24,6 @@ _CODE = {"CogVLMModel": ("modeling_cogvlm.py", "configuration_cogvlm.py"),
          "CogAgentModel": ("modeling_cogagent.py", "configuration_cogagent.py")}
 
 
-def _natural(name: str):
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
 def check_hf_code(directory: str, model_class: str) -> list:
     """The ``.py`` files of the user's copy of the model's hub repository, refused when it lacks the model's."""
     if not os.path.isdir(directory):
@@ -53,7 +49,7 @@ def export_hf(checkpoint: str, out: str, iteration: Optional[int] = None, lora_a
     layers = src.config["num_layers"]
     to_sat = dict(names.hf_items(src.keys(), layers))
     items = sorted(((hf, tuple(src.like[sat].shape), src.saved(sat).dtype) for hf, sat in to_sat.items()),
-                   key=lambda item: _natural(item[0]))
+                   key=lambda item: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", item[0])])
     shards = stream.shard_plan(items, max_shard_bytes)
     n = len(shards)
     weight_map, total = {}, 0

@@ -8,7 +8,7 @@ import copy
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import List
 
 from ..cogvlm.shapes import EVA_CLIP_L_DEFAULTS, RELEASED, cross_tokens, upstream_config
 from ..core.kinds import KINDS
@@ -25,11 +25,7 @@ def plan_config(config: dict) -> dict:
     return config
 
 
-def _released() -> Dict[str, dict]:
-    return {name: plan_config(upstream_config(name)) for name in RELEASED}
-
-
-MODELS = _released()
+MODELS = {name: plan_config(upstream_config(name)) for name in RELEASED}
 # upstream finetune_demo --max_length (it includes the image tokens)
 DEMO_MAX_LENGTH = {490: 1288, 224: 400}
 

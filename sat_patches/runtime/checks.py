@@ -20,20 +20,14 @@ def bitsandbytes_problem() -> Optional[str]:
     return None
 
 
-def _num_layers_of(from_pretrained: Optional[str]) -> Optional[int]:
-    if from_pretrained and os.path.isdir(from_pretrained):
-        return int(read_model_config(from_pretrained)["num_layers"])
-    return None
-
-
 def check_lora_args(lora_rank: Optional[int] = None, layer_range: Optional[Sequence[int]] = None,
                     num_layers: Optional[int] = None, use_qlora: bool = False,
                     from_pretrained: Optional[str] = None, what: str = "LoRA") -> None:
     """Raise :class:`BadInputError` for a LoRA set-up that cannot work."""
     if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank <= 0):
         raise BadInputError(f"{what} rank {lora_rank!r} must be a positive integer: pass e.g. --lora_rank 8")
-    if num_layers is None:
-        num_layers = _num_layers_of(from_pretrained)
+    if num_layers is None and from_pretrained and os.path.isdir(from_pretrained):
+        num_layers = int(read_model_config(from_pretrained)["num_layers"])
     if layer_range is not None:
         layers = list(layer_range)
         if not layers:

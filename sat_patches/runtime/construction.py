@@ -72,12 +72,6 @@ def _float_result(func, args, kwargs) -> bool:
     return torch.get_default_dtype() == torch.float32
 
 
-def _called_by_collectives() -> bool:
-    """Tensors torch.distributed/DeepSpeed make for their own messages stay where those libraries put them."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    return caller.startswith(("torch.distributed", "deepspeed.comm"))
-
-
 class _BuildMode(TorchFunctionMode):
     def __init__(self, target: BuildTarget):
         super().__init__()
@@ -89,7 +83,9 @@ class _BuildMode(TorchFunctionMode):
             drawn = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
             if getattr(drawn, "is_meta", False):
                 return drawn
-        if func in _FACTORIES and not _called_by_collectives():
+        # tensors torch.distributed/DeepSpeed make for their own messages stay where those libraries put them
+        if func in _FACTORIES and not sys._getframe(1).f_globals.get("__name__", "").startswith(
+                ("torch.distributed", "deepspeed.comm")):
             if _is_cpu(kwargs.get("device")):
                 kwargs["device"] = self.target.device
             if self.target.dtype is not None and _float_result(func, args, kwargs):

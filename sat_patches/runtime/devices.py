@@ -76,12 +76,6 @@ def describe() -> str:
     return f"host {socket.gethostname()} sees {count} CUDA device(s) (CUDA_VISIBLE_DEVICES {shown})"
 
 
-def sat_device_arg():
-    """The value SAT keeps in ``args.device``: an int CUDA index, or a device string."""
-    dev = compute_device()
-    return dev.index if dev.type == "cuda" else dev.type
-
-
 def communication_device() -> torch.device:
     """Device for tensors handed to collectives: the compute device, or CPU when that is meta."""
     dev = compute_device()

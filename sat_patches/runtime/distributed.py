@@ -87,7 +87,10 @@ def explained_collectives(where: str, named_tensors):
         if NO_BACKEND not in error_kinds(exc):
             raise
         backend = str(dist.get_backend()) if dist.is_initialized() else "?"
-        served = _devices_served(backend)
+        if ":" in backend:
+            served = {part.split(":")[0].strip() for part in backend.split(",")}
+        else:
+            served = set(dist.Backend.backend_capability.get(backend.lower(), ["cpu", "cuda"]))
         culprit = next(((n, t) for n, t in named_tensors() if t.device.type not in served), None)
         what = (f"tensor '{culprit[0]}' is on {culprit[1].device}" if culprit
                 else "a tensor is on a device")
@@ -96,12 +99,6 @@ def explained_collectives(where: str, named_tensors):
             f"no backend for it. Create the group with backend 'cpu:gloo,cuda:nccl' (sat_patches' "
             f"process_group_backend patch does this unless disabled) or put the tensor on the compute "
             f"device {devices.compute_device()}.") from exc
-
-
-def _devices_served(backend: str) -> set:
-    if ":" in backend:
-        return {part.split(":")[0].strip() for part in backend.split(",")}
-    return set(dist.Backend.backend_capability.get(backend.lower(), ["cpu", "cuda"]))
 
 
 def training_device(args, model_given: bool):

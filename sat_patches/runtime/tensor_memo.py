@@ -13,11 +13,6 @@ import torch
 T = TypeVar("T")
 
 
-def view_key(tensor: torch.Tensor) -> tuple:
-    """What, beside the storage, tells two tensors' values apart."""
-    return (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor._version)
-
-
 class TensorMemo(Generic[T]):
     """``memo(tensor)`` is ``compute(tensor)``, computed once for each tensor's values (see the module)."""
 
@@ -27,7 +22,9 @@ class TensorMemo(Generic[T]):
         self.computed = 0  # how many times ``compute`` ran (the tests count host syncs with it)
 
     def __call__(self, tensor: torch.Tensor) -> T:
-        storage, key = tensor.untyped_storage(), view_key(tensor)
+        storage = tensor.untyped_storage()
+        # what, beside the storage, tells two tensors' values apart
+        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor._version)
         entry = self._entries.get(storage)
         if entry is not None and entry[0] == key:
             return entry[1]

@@ -18,7 +18,7 @@ def test_compute_device_is_cuda_local_rank(monkeypatch):
     monkeypatch.delenv("SAT_PATCHES_DEVICE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count() - 1))
     assert devices.compute_device() == torch.device("cuda", torch.cuda.device_count() - 1)
-    assert devices.sat_device_arg() == torch.cuda.device_count() - 1
+    assert devices.compute_device().index == torch.cuda.device_count() - 1
 
 
 def test_nccl_becomes_cpu_gloo_cuda_nccl():

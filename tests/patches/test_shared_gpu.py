@@ -132,7 +132,7 @@ def test_ranks_share_the_gpu_only_in_the_mode(monkeypatch):
         devices.compute_device()
     monkeypatch.setenv("SAT_PATCHES_SHARED_GPU", "1")
     assert devices.compute_device() == torch.device("cuda", 0)
-    assert devices.sat_device_arg() == 0
+    assert devices.compute_device().index == 0
 
 
 @pytest.mark.parametrize("count, ranks_on_node", [(2, 2), (4, 2)])
