@@ -165,8 +165,8 @@ def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[S
 
 
 def mode(env: Dict[str, str]) -> str:
-    cpu_ranks = env.get("CPU_RANKS") not in (None, "", "0")
-    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], KINDS[env["MODEL_KIND"]].upstream_demo)):
+    cpu_ranks, demo = env.get("CPU_RANKS") not in (None, "", "0"), KINDS[env["MODEL_KIND"]].upstream_demo
+    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], demo)):
         return "checkout-cpu" if cpu_ranks else "checkout"
     return "gpu" if not cpu_ranks and visible_gpus(env) > 0 else "cpu"
 
