@@ -135,16 +135,6 @@ def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
     return best.estimate.setup if best else None
 
 
-def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str]:
-    """``CHECKPOINT_ACTIVATIONS=1``: checkpointing except the last ``CHECKPOINT_SKIP_LAYERS`` language layers;
-    by default what the plan chose, every layer where it cannot tell."""
-    if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
-        return []
-    if env.get("CHECKPOINT_SKIP_LAYERS"):
-        choice = Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
-    return realise.checkpoint_options(choice or Setup())
-
-
 def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
     """The DeepSpeed config the run uses: SAT takes the micro-batch from it, so ``MICRO_BATCH`` (default: the
     plan's ``choice``) goes into a copy saved beside the run's checkpoints."""
@@ -201,7 +191,9 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
-    opts += checkpoint_options(env, choice)
+    if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":  # all but the last CHECKPOINT_SKIP_LAYERS, else the plan's
+        skip = env.get("CHECKPOINT_SKIP_LAYERS")  # choice, else every layer
+        opts += realise.checkpoint_options(Setup(checkpoint_skip_layers=int(skip)) if skip else choice or Setup())
     return opts + shlex.split(env.get("EXTRA_ARGS", ""))
 
 

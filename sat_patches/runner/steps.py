@@ -43,9 +43,7 @@ def run(commands: List[List[str]], env: Dict[str, str], cwd: Optional[str] = Non
                 print(exc, file=sys.stderr, flush=True)
                 return 1
         print(step_line(cmd), flush=True)
-        if dry_run:
-            continue
-        code = subprocess.call(cmd, env=env, cwd=cwd)
+        code = 0 if dry_run else subprocess.call(cmd, env=env, cwd=cwd)
         if code != 0:
             print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr,
                   flush=True)
