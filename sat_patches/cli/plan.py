@@ -17,11 +17,6 @@ def _gb(x: float) -> str:
     return f"{x / GB:6.1f}"
 
 
-def describe(config: dict) -> str:
-    parts = model_parts(config)
-    return ", ".join(f"{p.name} {p.total / 1e9:.2f} B" for p in parts if not p.buffer)
-
-
 def checkpointing(s) -> str:
     """The layers checkpointed, as the table's column says it."""
     if not s.checkpoint_activations:
@@ -36,7 +31,8 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
              + (f", host {args.host_mem:g} GB per node" if args.host_mem else "")]
     if first:
         base = parameter_count(config)
-        lines.append(f"model: {base / 1e9:.2f} B parameters ({describe(config)}); LoRA rank {s0.lora_rank} adds "
+        parts = ", ".join(f"{p.name} {p.total / 1e9:.2f} B" for p in model_parts(config) if not p.buffer)
+        lines.append(f"model: {base / 1e9:.2f} B parameters ({parts}); LoRA rank {s0.lora_rank} adds "
                      f"{(first.params - base) / 1e6:.1f} M; trainable {first.trainable / 1e6:.1f} M "
                      f"({'LoRA' if s0.train == 'lora' else 'LoRA + upstream demo set'}), {s0.dtype}, "
                      f"max_length {s0.seq_len}")

@@ -3,19 +3,16 @@ curve (a run redraws it at most once a minute while it trains)."""
 from __future__ import annotations
 
 import os
-from typing import List
 
 from ..diagnostics import ledger_files
 from ..diagnostics.charts import CURVE_CSV, draw, draw_loss_curve
 
 
-def summary(rows: List[ledger_files.Row], run_dir: str) -> str:
-    return ledger_files.format_table(ledger_files.latest_per_rank(rows), rows, title="last record per rank", where=run_dir)
-
-
 def cmd_report(args) -> int:
     path = draw(args.run_dir, args.out)
-    print(summary(ledger_files.read(args.run_dir), args.run_dir))
+    rows = ledger_files.read(args.run_dir)
+    print(ledger_files.format_table(ledger_files.latest_per_rank(rows), rows, title="last record per rank",
+                                    where=args.run_dir))
     print(f"wrote {path}")
     if os.path.isfile(os.path.join(args.run_dir, CURVE_CSV)):
         print(f"wrote {draw_loss_curve(args.run_dir)}")

@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import sys
-from typing import Dict, List
+from typing import Dict
 
 import torch
 from sat.arguments import _simple_init
@@ -86,20 +86,6 @@ def _single_process():
     _simple_init(model_parallel_size=1, seed=1)
 
 
-@torch.no_grad()
-def initialise_uninitialised(model, std: float = 0.02) -> List[str]:
-    """Give the parameters upstream leaves uninitialised (vision experts, gate projections) values:
-    weights N(0, std), vectors zero. Any other parameter that is not finite is an error."""
-    done = []
-    for name, p in model.named_parameters():
-        if name.startswith(UNINITIALISED_PREFIXES):
-            (p.normal_(0.0, std) if p.dim() >= 2 else p.zero_())
-            done.append(name)
-        elif not torch.isfinite(p).all():
-            raise RuntimeError(f"parameter {name} holds non-finite values after building the model")
-    return done
-
-
 def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 1234, config: dict = None,
                           dtype: torch.dtype = torch.float32) -> dict:
     """Build ``kind`` with the checkout's own class and save it under ``out_dir``, its tensors in ``dtype``.
@@ -109,7 +95,12 @@ def build_tiny_checkpoint(checkout: str, kind: str, out_dir: str, seed: int = 12
     _single_process()
     torch.manual_seed(seed)
     model = cls(_build_args(cls, config, seed))
-    initialise_uninitialised(model)
+    with torch.no_grad():  # values for what upstream leaves uninitialised: weights N(0, 0.02), vectors zero
+        for name, p in model.named_parameters():
+            if name.startswith(UNINITIALISED_PREFIXES):
+                (p.normal_(0.0, 0.02) if p.dim() >= 2 else p.zero_())
+            elif not torch.isfinite(p).all():
+                raise RuntimeError(f"parameter {name} holds non-finite values after building the model")
     os.makedirs(os.path.join(out_dir, "1"), exist_ok=True)
     state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
              for k, v in model.state_dict().items()}
@@ -152,17 +143,13 @@ def merged_dir(kind: str, workdir: str) -> str:
     return os.path.join(workdir, kinds.kind(kind).merged_dir.format(image_size=image_size))
 
 
-def _shards(directory: str) -> List[str]:
-    with open(os.path.join(directory, "latest")) as f:
-        tag = f.read().strip()
-    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, tag, "mp_rank_*_model_states.pt")))
-
-
 def _expect_shards(what: str, directory: str, mp: int) -> None:
     if not os.path.isfile(os.path.join(directory, "latest")):
         raise SystemExit(f"error: {what} is missing: no {directory}/latest")
     want = [f"mp_rank_{r:02d}_model_states.pt" for r in range(mp)]
-    got = _shards(directory)
+    with open(os.path.join(directory, "latest")) as f:
+        tag = f.read().strip()
+    got = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, tag, "mp_rank_*_model_states.pt")))
     if got != want:
         raise SystemExit(f"error: {what} {directory} holds {got}, expected one shard per model-parallel rank: {want}")
 

@@ -17,13 +17,6 @@ from ..cogvlm.shapes import RELEASED, upstream_config
 from ..data.jsonl import check_data_path
 
 
-def model_heads_table() -> dict:
-    """Attention heads (MP_SIZE must divide them) of every released model and of the CPU runs' tiny models."""
-    heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
-    heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in NAMES})
-    return heads
-
-
 def _int(env: dict, name: str, default: Optional[int], errors: List[str], minimum: int = 1) -> Optional[int]:
     raw = env.get(name)
     if raw in (None, ""):
@@ -52,8 +45,8 @@ def config_path(name: str) -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
-def visible_gpus(env: dict) -> Optional[int]:
-    """GPUs this node can use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list; None if unknown."""
+def visible_gpus(env: dict) -> int:
+    """GPUs this node can use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list."""
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         return len([d for d in cvd.split(",") if d.strip() and d.strip() != "-1"])
@@ -64,12 +57,15 @@ def visible_gpus(env: dict) -> Optional[int]:
 
 
 def model_heads(env: dict) -> Optional[int]:
+    """Attention heads (MP_SIZE must divide them): the checkpoint's, else the released or tiny model's."""
     source = env.get("FROM_PRETRAINED") or env.get("MODEL_TYPE", "")
     config = os.path.join(source, "model_config.json")
     if source and os.path.isfile(config):
         with open(config) as f:
             return json.load(f).get("num_attention_heads")
-    return model_heads_table().get(os.path.basename(source.rstrip("/")))
+    heads = {name: upstream_config(name)["num_attention_heads"] for name in RELEASED}
+    heads.update({f"tiny-{kind}": tiny_config(kind)["num_attention_heads"] for kind in NAMES})
+    return heads.get(os.path.basename(source.rstrip("/")))
 
 
 def in_checkout(env: dict) -> Optional[str]:
@@ -126,8 +122,6 @@ def _gpus_per_rank_errors(env: dict, per_node: int, visible: Optional[int]) -> L
         shared = settings.read("SAT_PATCHES_SHARED_GPU", env)
     except settings.SettingError as exc:
         return [str(exc)]
-    if visible is None:
-        return []
     if shared and per_node <= visible:
         return [f"SAT_PATCHES_SHARED_GPU=1 lets several ranks share a GPU, but NUM_GPUS_PER_WORKER={per_node} ranks "
                 f"on {visible} visible GPU(s) have a card each: unset SAT_PATCHES_SHARED_GPU (a debugging mode: its "

@@ -135,16 +135,6 @@ def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
     return best.estimate.setup if best else None
 
 
-def checkpoint_options(env: Dict[str, str], choice: Optional[Setup]) -> List[str]:
-    """``CHECKPOINT_ACTIVATIONS=1``: checkpointing except the last ``CHECKPOINT_SKIP_LAYERS`` language layers;
-    by default what the plan chose, every layer where it cannot tell."""
-    if env.get("CHECKPOINT_ACTIVATIONS", "1") != "1":
-        return []
-    if env.get("CHECKPOINT_SKIP_LAYERS"):
-        choice = Setup(checkpoint_skip_layers=int(env["CHECKPOINT_SKIP_LAYERS"]))
-    return realise.checkpoint_options(choice or Setup())
-
-
 def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
     """The DeepSpeed config the run uses: SAT takes the micro-batch from it, so ``MICRO_BATCH`` (default: the
     plan's ``choice``) goes into a copy saved beside the run's checkpoints."""
@@ -164,17 +154,11 @@ def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[S
     return path
 
 
-def cpu_ranks_set(env: Dict[str, str]) -> bool:
-    return env.get("CPU_RANKS") not in (None, "", "0")
-
-
 def mode(env: Dict[str, str]) -> str:
-    kind = env["MODEL_KIND"]
-    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)):
-        return "checkout-cpu" if cpu_ranks_set(env) else "checkout"
-    if cpu_ranks_set(env):
-        return "cpu"
-    return "gpu" if (visible_gpus(env) or 0) > 0 else "cpu"
+    cpu_ranks, demo = env.get("CPU_RANKS") not in (None, "", "0"), KINDS[env["MODEL_KIND"]].upstream_demo
+    if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], demo)):
+        return "checkout-cpu" if cpu_ranks else "checkout"
+    return "gpu" if not cpu_ranks and visible_gpus(env) > 0 else "cpu"
 
 
 def evaluation_dir(save_dir: str, before: bool = False) -> str:
@@ -200,30 +184,17 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"]), choice),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
-    opts += resume_options(env)
+    if env.get("RESUME"):  # continue that run (from RESUME_ITERATION where given, else 'latest')
+        iteration = env.get("RESUME_ITERATION", "")
+        opts += ["--mode", "pretrain", "--load", env["RESUME"]] + (["--iteration", iteration] if iteration else [])
     if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches evaluate)
         opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
-    opts += checkpoint_options(env, choice)
+    if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":  # all but the last CHECKPOINT_SKIP_LAYERS, else the plan's
+        skip = env.get("CHECKPOINT_SKIP_LAYERS")  # choice, else every layer
+        opts += realise.checkpoint_options(Setup(checkpoint_skip_layers=int(skip)) if skip else choice or Setup())
     return opts + shlex.split(env.get("EXTRA_ARGS", ""))
-
-
-def resume_options(env: Dict[str, str]) -> List[str]:
-    """``RESUME=<run directory>`` continues that run (``--mode pretrain --load``), ``RESUME_ITERATION=N`` from N."""
-    if not env.get("RESUME"):
-        return []
-    iteration = env.get("RESUME_ITERATION", "")
-    return ["--mode", "pretrain", "--load", env["RESUME"]] + (["--iteration", iteration] if iteration else [])
-
-
-def deepspeed_command(env: Dict[str, str], program: List[str], options: List[str]) -> List[str]:
-    cmd = ["deepspeed", "--master_port", env["MASTER_PORT"]]
-    if env.get("HOST_FILE"):
-        cmd += ["--hostfile", env["HOST_FILE"]]
-    else:
-        cmd += ["--num_gpus", env["NUM_GPUS_PER_WORKER"]]
-    return cmd + ["--module", "sat_patches.launch", *program, *options]
 
 
 def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[str]]:
@@ -231,12 +202,12 @@ def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[st
         program = [os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)]
     else:
         program = ["-m", "sat_patches", "finetune", "train", "--kind", kind]
-    return [deepspeed_command(env, program, train_options(env))]
+    hosts = ["--hostfile", env["HOST_FILE"]] if env.get("HOST_FILE") else ["--num_gpus", env["NUM_GPUS_PER_WORKER"]]
+    return [["deepspeed", "--master_port", env["MASTER_PORT"], *hosts, "--module", "sat_patches.launch", *program,
+             *train_options(env)]]
 
 
-def cpu_launcher() -> List[str]:
-    """torchrun, run by this interpreter."""
-    return [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
@@ -252,23 +223,18 @@ def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
         options += ["--evaluate-before", evaluation_dir(paths["save"], before=True)]
         if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
             options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
-    commands = [
+    return [
         [py, "-m", "sat_patches", "finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
          "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
-        [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*TORCHRUN, "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", "-m", "sat_patches", "finetune", "train", "--kind", kind, *options],
         [py, "-m", "sat_patches", "merge", steps.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches", "finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
+        # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
+        [py, "-m", "sat_patches", "export", "hf", os.path.join(work, "merged"), os.path.join(work, "hf")],
     ]
-    # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
-    commands.append([py, "-m", "sat_patches", "export", "hf", os.path.join(work, "merged"), hf_export_dir(work)])
-    return commands
-
-
-def hf_export_dir(work: str) -> str:
-    return os.path.join(work, "hf")
 
 
 def prepared_for_resume(env: Dict[str, str]) -> bool:
@@ -290,7 +256,7 @@ def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
     prepare = [] if prepared_for_resume(env) else [[py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where]]
     return prepare + [
-        [*cpu_launcher(), "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
+        [*TORCHRUN, "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
          "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
          *train_options(env, **paths)],
         [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
@@ -396,8 +362,8 @@ def main(argv=None) -> int:
         return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
         print_evaluations(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
-    if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(hf_export_dir(env["WORK_DIR"])):
-        print(f"Hugging Face export: {hf_export_dir(env['WORK_DIR'])}", flush=True)
+    if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(os.path.join(env["WORK_DIR"], "hf")):
+        print(f"Hugging Face export: {os.path.join(env['WORK_DIR'], 'hf')}", flush=True)
     return 0
 
 

@@ -17,10 +17,6 @@ def step_line(cmd: Sequence[str]) -> str:
     return "+ " + " ".join(shlex.quote(c) for c in cmd)
 
 
-def step_failed(cmd: Sequence[str], code: int) -> str:
-    return f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ..."
-
-
 def latest_run_under(save_dir: str) -> str:
     """An argument that stands for the newest training run (a directory with ``latest``) under ``save_dir``."""
     return "{the latest run under %s}" % save_dir
@@ -36,26 +32,20 @@ def latest_run(save_dir: str) -> str:
     return max(runs, key=os.path.getmtime)
 
 
-def resolved(cmd: Sequence[str]) -> List[str]:
-    """``cmd`` with each :func:`latest_run_under` argument replaced by that run's directory."""
-    return [latest_run(m.group(1)) if m else arg for arg, m in ((a, _LATEST.match(a)) for a in cmd)]
-
-
 def run(commands: List[List[str]], env: Dict[str, str], cwd: Optional[str] = None, dry_run: bool = False) -> int:
     """Run ``commands`` one after the other (``dry_run``: print them only); the first non-zero status is returned
     and stops the rest."""
     for cmd in commands:
         if not dry_run:
             try:
-                cmd = resolved(cmd)
+                cmd = [latest_run(m.group(1)) if m else arg for arg, m in ((a, _LATEST.match(a)) for a in cmd)]
             except SystemExit as exc:
                 print(exc, file=sys.stderr, flush=True)
                 return 1
         print(step_line(cmd), flush=True)
-        if dry_run:
-            continue
-        code = subprocess.call(cmd, env=env, cwd=cwd)
+        code = 0 if dry_run else subprocess.call(cmd, env=env, cwd=cwd)
         if code != 0:
-            print(step_failed(cmd, code), file=sys.stderr, flush=True)
+            print(f"error: step failed with exit code {code}: {cmd[0]} {' '.join(cmd[1:4])} ...", file=sys.stderr,
+                  flush=True)
             return code
     return 0
