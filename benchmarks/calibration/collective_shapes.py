@@ -1,8 +1,8 @@
 """SAT's model-parallel collectives replaced by their output shapes, for measuring a rank on meta."""
+from sat_patches.cogvlm.on_meta import stood_in  # first: makes ``import sat`` work
+
 import sat.mpu.mappings as mappings
 import torch
-
-from sat_patches.cogvlm.on_meta import stood_in
 
 
 def collectives_as_shapes(mp: int):
