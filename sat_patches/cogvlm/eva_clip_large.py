@@ -131,10 +131,8 @@ class EvaVisionTower(nn.Module):
                                      for _ in range(cfg["layers"])])
         self.norm = make_module(placement, nn.LayerNorm, dim, eps=eps)
         self.head = make_module(placement, nn.Linear, dim, cfg["embed_dim"])
-        if not placement.skip_init:
-            self._init_weights()
-
-    def _init_weights(self):
+        if placement.skip_init:
+            return
         with torch.no_grad():
             for p in (self.pos_embed, self.cls_token):
                 nn.init.trunc_normal_(p, std=0.02)
