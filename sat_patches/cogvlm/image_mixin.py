@@ -76,10 +76,7 @@ class ImageMixin(BaseMixin):
         self.image_length = args.image_length
         self.boi = zeros_parameter(placement, 1, 1, args.hidden_size)
         self.eoi = zeros_parameter(placement, 1, 1, args.hidden_size)
-        if with_pos_embed:  # CogAgent
-            self.pos_embed = zeros_parameter(placement, self.image_length, self.in_features)
-        else:
-            self.pos_embed = None
+        self.pos_embed = zeros_parameter(placement, self.image_length, self.in_features) if with_pos_embed else None
 
     def word_embedding_forward(self, input_ids, output_cross_layer, **kw_args):
         vision_inputs = {k[len("vision_"):]: v for k, v in kw_args.items()
