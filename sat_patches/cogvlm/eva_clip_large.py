@@ -21,8 +21,7 @@ from .shapes import EVA_CLIP_L_DEFAULTS
 
 
 def encoder_config(encoder_args: Optional[dict]) -> dict:
-    cfg = dict(EVA_CLIP_L_DEFAULTS)
-    cfg.update(encoder_args or {})
+    cfg = {**EVA_CLIP_L_DEFAULTS, **(encoder_args or {})}
     unknown = set(cfg) - set(EVA_CLIP_L_DEFAULTS)
     if unknown:
         raise ValueError(f"encoder_args: unknown keys {sorted(unknown)}; known: {sorted(EVA_CLIP_L_DEFAULTS)}")

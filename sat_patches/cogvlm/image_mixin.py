@@ -54,8 +54,7 @@ def vision_args(args, eva_args: dict) -> argparse.Namespace:
         if skip is None and getattr(args, "checkpoint_skip_layers", 0) and "num_layers" in eva_args:
             skip = eva_skip_layers(args.checkpoint_skip_layers, args.num_layers, eva_args["num_layers"])
         run["checkpoint_skip_layers"] = skip or 0
-        run["hidden_dropout"] = 0.0
-        run["attention_dropout"] = 0.0
+        run.update(hidden_dropout=0.0, attention_dropout=0.0)
     merged = copy.deepcopy(dict(eva_args))
     if hasattr(args, "model_parallel_size"):
         merged["model_parallel_size"] = args.model_parallel_size
