@@ -103,7 +103,8 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.runtime import devices
     from sat_patches.planning.shapes import default_seq_len, plan_config
-    from sat_patches.cogvlm.on_meta import build_on_meta, collectives_as_shapes, model_parallel_as
+    from sat_patches.cogvlm.on_meta import build_on_meta, model_parallel_as
+    from collective_shapes import collectives_as_shapes
     from live_bytes import LiveBytes
     from meta_values import MetaValues
     config = _with_layers(plan_config(config), layers)

@@ -77,7 +77,8 @@ def head_and_loss_peak(mp, tokens, hidden, vocab):
     """Forward and backward of the LM head (SAT's ColumnParallelLinear with gather_output, as
     ``sat_patches.cogvlm.llama.LMMixin``) and the loss of ``sat_patches.cogvlm.trainer.lm_loss``, in bf16."""
     from sat.mpu import ColumnParallelLinear
-    from sat_patches.cogvlm.on_meta import collectives_as_shapes, model_parallel_as
+    from sat_patches.cogvlm.on_meta import model_parallel_as
+    from collective_shapes import collectives_as_shapes
     with model_parallel_as(mp), collectives_as_shapes(mp):
         head = ColumnParallelLinear(hidden, vocab, gather_output=True, bias=False, params_dtype=torch.bfloat16,
                                     skip_init=True, device="meta").requires_grad_(False)

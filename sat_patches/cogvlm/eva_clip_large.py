@@ -21,8 +21,7 @@ from .shapes import EVA_CLIP_L_DEFAULTS
 
 
 def encoder_config(encoder_args: Optional[dict]) -> dict:
-    cfg = dict(EVA_CLIP_L_DEFAULTS)
-    cfg.update(encoder_args or {})
+    cfg = {**EVA_CLIP_L_DEFAULTS, **(encoder_args or {})}
     unknown = set(cfg) - set(EVA_CLIP_L_DEFAULTS)
     if unknown:
         raise ValueError(f"encoder_args: unknown keys {sorted(unknown)}; known: {sorted(EVA_CLIP_L_DEFAULTS)}")
@@ -131,10 +130,8 @@ class EvaVisionTower(nn.Module):
                                      for _ in range(cfg["layers"])])
         self.norm = make_module(placement, nn.LayerNorm, dim, eps=eps)
         self.head = make_module(placement, nn.Linear, dim, cfg["embed_dim"])
-        if not placement.skip_init:
-            self._init_weights()
-
-    def _init_weights(self):
+        if placement.skip_init:
+            return
         with torch.no_grad():
             for p in (self.pos_embed, self.cls_token):
                 nn.init.trunc_normal_(p, std=0.02)

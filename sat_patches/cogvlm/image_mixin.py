@@ -54,8 +54,7 @@ def vision_args(args, eva_args: dict) -> argparse.Namespace:
         if skip is None and getattr(args, "checkpoint_skip_layers", 0) and "num_layers" in eva_args:
             skip = eva_skip_layers(args.checkpoint_skip_layers, args.num_layers, eva_args["num_layers"])
         run["checkpoint_skip_layers"] = skip or 0
-        run["hidden_dropout"] = 0.0
-        run["attention_dropout"] = 0.0
+        run.update(hidden_dropout=0.0, attention_dropout=0.0)
     merged = copy.deepcopy(dict(eva_args))
     if hasattr(args, "model_parallel_size"):
         merged["model_parallel_size"] = args.model_parallel_size
@@ -76,10 +75,7 @@ class ImageMixin(BaseMixin):
         self.image_length = args.image_length
         self.boi = zeros_parameter(placement, 1, 1, args.hidden_size)
         self.eoi = zeros_parameter(placement, 1, 1, args.hidden_size)
-        if with_pos_embed:  # CogAgent
-            self.pos_embed = zeros_parameter(placement, self.image_length, self.in_features)
-        else:
-            self.pos_embed = None
+        self.pos_embed = zeros_parameter(placement, self.image_length, self.in_features) if with_pos_embed else None
 
     def word_embedding_forward(self, input_ids, output_cross_layer, **kw_args):
         vision_inputs = {k[len("vision_"):]: v for k, v in kw_args.items()

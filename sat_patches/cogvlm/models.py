@@ -21,25 +21,21 @@ from .vision_expert import LlamaVisionExpertAttnMixin, LlamaVisionExpertFCMixin
 NUM_VISION_LAYERS = 32  # upstream passes 32: every layer of the 32-layer LLaMA has experts
 
 
-def _check_image_length(args):
-    eva = getattr(args, "eva_args", None) or {}
-    if not {"image_size", "patch_size", "hidden_size"} <= set(eva):
-        raise ValueError("args.eva_args must describe the EVA tower (image_size, patch_size, hidden_size, ...): "
-                         "load a model_config.json (--from_pretrained) or use tiny_args()")
-    size, patch = eva["image_size"], eva["patch_size"]
-    expected = (size[0] // patch) * (size[1] // patch)
-    if args.image_length != expected:
-        raise ValueError(f"image_length {args.image_length} does not match eva_args image_size {size} / "
-                         f"patch_size {patch} = {expected} tokens")
-
-
 class CogVLMModel(LLaMAModel):
     vision_expert_mixins = (LlamaVisionExpertFCMixin, LlamaVisionExpertAttnMixin)  # a fork's model code brings its own
     title = "CogVLM"
     cogagent = False  # CogAgent: a learned pos_embed on the image features, and the ``encoder`` mixin
 
     def __init__(self, args, transformer=None, params_dtype=torch.float, parallel_output=None, **kwargs):
-        _check_image_length(args)
+        eva = getattr(args, "eva_args", None) or {}
+        if not {"image_size", "patch_size", "hidden_size"} <= set(eva):
+            raise ValueError("args.eva_args must describe the EVA tower (image_size, patch_size, hidden_size, ...): "
+                             "load a model_config.json (--from_pretrained) or use tiny_args()")
+        size, patch = eva["image_size"], eva["patch_size"]
+        expected = (size[0] // patch) * (size[1] // patch)
+        if args.image_length != expected:
+            raise ValueError(f"image_length {args.image_length} does not match eva_args image_size {size} / "
+                             f"patch_size {patch} = {expected} tokens")
         placement = init_llama_base(self, args, transformer=transformer, params_dtype=params_dtype,
                                     parallel_output=parallel_output, **kwargs)
         self.image_length = args.image_length

@@ -9,7 +9,6 @@ from typing import Dict, Iterator, Tuple
 from unittest import mock
 
 import sat.mpu.initialize as initialize
-import sat.mpu.mappings as mappings
 import torch
 
 from ..runtime import construction
@@ -18,7 +17,7 @@ from .models import model_class_for
 
 
 @contextlib.contextmanager
-def _stood_in(stand_ins: Dict[str, Tuple[object, object]]) -> Iterator[None]:
+def stood_in(stand_ins: Dict[str, Tuple[object, object]]) -> Iterator[None]:
     """``{name: (original, stand_in)}``: every loaded module whose ``name`` is ``original`` reads ``stand_in``."""
     with contextlib.ExitStack() as stack:
         for module in list(sys.modules.values()):
@@ -31,20 +30,8 @@ def _stood_in(stand_ins: Dict[str, Tuple[object, object]]) -> Iterator[None]:
 def model_parallel_as(size: int, rank: int = 0):
     """SAT's model-parallel world size and rank read as ``size`` and ``rank`` by every loaded
     module, without a process group (layers size their shards from these)."""
-    return _stood_in({"get_model_parallel_world_size": (initialize.get_model_parallel_world_size, lambda: size),
+    return stood_in({"get_model_parallel_world_size": (initialize.get_model_parallel_world_size, lambda: size),
                       "get_model_parallel_rank": (initialize.get_model_parallel_rank, lambda: rank)})
-
-
-def collectives_as_shapes(mp: int):
-    """SAT's model-parallel collectives as their output shapes on rank 0 of ``mp``, wherever a loaded module
-    imported them (no process group: the tensors may be on meta)."""
-    shapes = {
-        "gather_from_model_parallel_region": lambda x: torch.cat([x] * mp, dim=-1),
-        "scatter_to_model_parallel_region": lambda x: x[..., : x.shape[-1] // mp].contiguous(),
-        "copy_to_model_parallel_region": lambda x: x,
-        "reduce_from_model_parallel_region": lambda x: x,
-    }
-    return _stood_in({name: (getattr(mappings, name), shape) for name, shape in shapes.items()})
 
 
 def build_on_meta(config: dict, mp: int = 1):

@@ -68,12 +68,3 @@ class ExpertRouting:
 expert_routing = TensorMemo(ExpertRouting.of_mask)
 """The routing of a ``vision_expert_mask``, read once per mask (see :mod:`sat_patches.runtime.tensor_memo`)."""
 
-
-def route_by_mask(x: torch.Tensor, mask: torch.Tensor, language: Callable, vision: Callable) -> torch.Tensor:
-    """The boolean-mask routing of CogVLM's own code, kept as the reference the fast paths are checked against."""
-    mask = mask.bool()
-    lang = language(x[~mask])
-    out = lang.new_empty(*x.shape[:-1], lang.shape[-1])
-    out[~mask] = lang
-    out[mask] = vision(x[mask]).to(lang.dtype)
-    return out

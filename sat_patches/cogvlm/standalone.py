@@ -23,7 +23,6 @@ from .evaluation import answer_every_sample, greedy_answer
 from .trainer import add_lora, disable_untrainable_params, forward_step, model_inputs, processors
 
 
-# ----------------------------------------------------------------------------- set-up
 def demo_parser(kind: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--kind", choices=NAMES, default=kind)
@@ -104,7 +103,6 @@ def save_probe(model, args, image, text, cross):
     torch.distributed.barrier()
 
 
-# ----------------------------------------------------------------------------- verify
 @torch.no_grad()
 def compare_with_probe(kind: str, probe_file: str, merged: str, local_tokenizer: str, max_length: int = 80,
                        version: str = "base") -> dict:

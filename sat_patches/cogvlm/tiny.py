@@ -51,14 +51,6 @@ TASKS = ("captcha", "shapes")
 HEAD_SCALE = 10.0
 
 
-def widen_output_head(model, scale: float = HEAD_SCALE) -> None:
-    """Multiply the LM head's random weights by ``scale``: at SAT's init no logit of the tiny model exceeds about
-    2.6, too flat for LoRA alone to make an answer confident."""
-    head = model.get_mixin("lm").lm_head
-    with torch.no_grad():
-        head.weight.mul_(scale)
-
-
 def prepare_tiny_run(workdir: str, kind: str = "cogvlm", n_train: int = 64, n_valid: int = 8,
                      seed: int = 0, task: str = "captcha") -> TinyRun:
     """Tokenizer, data and a random tiny model in ``workdir``. ``task``: ``captcha`` (``<label>.jpg``
@@ -80,8 +72,9 @@ def prepare_tiny_run(workdir: str, kind: str = "cogvlm", n_train: int = 64, n_va
         write_captcha_conversations(run.train_dir, run.train_jsonl)
         write_captcha_conversations(run.valid_dir, run.valid_jsonl, turns=False)
     model, args = build_tiny_model(kind, seed=1234 + seed)  # SAT needs a seed > 0
-    if task == "shapes":
-        widen_output_head(model)
+    if task == "shapes":  # at SAT's init no logit exceeds about 2.6: too flat for LoRA alone to make answers confident
+        with torch.no_grad():
+            model.get_mixin("lm").lm_head.weight.mul_(HEAD_SCALE)
     check_vocab(llama2_tokenizer(run.tokenizer_dir), args.vocab_size, args.pad_token_id)
     save_pretrained_dir(model, args, run.model_dir)
     return run

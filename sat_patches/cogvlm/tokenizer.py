@@ -40,7 +40,6 @@ def train_tiny_tokenizer(directory: str, alphabet: str = DEFAULT_ALPHABET, extra
     """Train and save a LLaMA-style tokenizer in ``directory``; returns ``directory``. The result
     has at most ``vocab_size`` entries (sentencepiece may stop earlier on little text) and needs
     ``vocab_size`` >= 259 + the characters seen, for the 256 byte-fallback pieces."""
-
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=_training_sentences(alphabet, list(extra_text), 4000, seed), model_writer=model,
@@ -61,7 +60,6 @@ def train_tiny_tokenizer(directory: str, alphabet: str = DEFAULT_ALPHABET, extra
 def llama2_tokenizer(tokenizer_path: str, signal_type: str = "base"):
     """Load a LLaMA tokenizer the way upstream's ``--local_tokenizer`` does and add its attributes
     (``boi``/``eoi`` "[IMG]"/"[/IMG]", ``signal_type``). A missing pad token becomes ``<unk>``."""
-
     if signal_type not in ("base", "chat", "vqa", "chat_old"):
         raise ValueError(f"signal_type must be base, chat, vqa or chat_old, not {signal_type!r}")
     tokenizer = LlamaTokenizer.from_pretrained(tokenizer_path)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from sat_patches.cogvlm import vision_expert
-from sat_patches.cogvlm.routing import ExpertRouting, expert_routing, route_by_mask
+from sat_patches.cogvlm.routing import ExpertRouting, expert_routing
 from sat_patches.kernels.attention import mask_kind
 from sat_patches.runtime.tensor_memo import TensorMemo
 from patching import patches_removed
-from fast_paths import boolean_mask_routing, build_cogvlm as build, cogvlm_batch as batch_for
+from fast_paths import boolean_mask_routing, build_cogvlm as build, cogvlm_batch as batch_for, route_by_mask
 from fast_paths import host_reads, train_step as step
 
 COGVLM_LAYOUT = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0]] * 3)  # BOS, boi, patches, eoi, text

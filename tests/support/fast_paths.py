@@ -9,7 +9,16 @@ import torch
 from sat.model.base_model import get_model
 
 from sat_patches.cogvlm import model_class_for, tiny_args, vision_expert
-from sat_patches.cogvlm.routing import route_by_mask
+
+
+def route_by_mask(x: torch.Tensor, mask: torch.Tensor, language, vision) -> torch.Tensor:
+    """The boolean-mask routing of CogVLM's own code, kept as the reference the fast paths are checked against."""
+    mask = mask.bool()
+    lang = language(x[~mask])
+    out = lang.new_empty(*x.shape[:-1], lang.shape[-1])
+    out[~mask] = lang
+    out[mask] = vision(x[mask]).to(lang.dtype)
+    return out
 
 
 def build_cogvlm(checkpointing: bool, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
