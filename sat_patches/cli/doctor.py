@@ -5,15 +5,16 @@ The facts are gathered by :mod:`.doctor_facts` and checked by :mod:`.doctor_chec
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
+import sys
 from dataclasses import asdict
 from typing import List
 
 from ..core import settings
 from .doctor_checks import FAIL, WARN, Check, run
 from .doctor_facts import Facts, gather, plan_host_need
-from .output import imports_print_to_stderr
 
 
 def format_checks(checks: List[Check], facts: Facts) -> str:
@@ -43,7 +44,7 @@ def format_settings(rows: List[dict]) -> str:
 
 
 def cmd_doctor(args) -> int:
-    with imports_print_to_stderr():
+    with contextlib.redirect_stdout(sys.stderr):  # what modules print at import stays out of --json
         facts = gather(args.hostfile)
     if args.model:
         plan_host_need(facts, args.model, args.gpus, args.gpu_mem)

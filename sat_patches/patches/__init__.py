@@ -4,7 +4,7 @@ Patches sharing a target are ordered in :data:`STACKS` (innermost first, with th
 """
 from ..core.registry import REGISTRY
 
-from . import (rotary, attention, checkpointing, console, construction, deepspeed_setup, devices, distributed, faults,
+from . import (rotary, checkpointing, construction, deepspeed_setup, devices, distributed, faults,
                fork_models, hangs, ledger, loading, lora, preprocess, progress, resume)
 
 # Innermost first.
@@ -19,12 +19,10 @@ MODULES = [
     loading,
     ledger,
     progress,
-    console,
     hangs,
     resume,
     checkpointing,
     preprocess,
-    attention,
     fork_models,
 ]
 

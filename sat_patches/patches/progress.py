@@ -1,13 +1,29 @@
-"""One short line per logged step, with an ETA (``iteration 4/20 | loss 6.5213 | lr 1.00e-04 | 1.32 s/it |
-ETA 0:00:21``), instead of SAT's long ``report_iteration_metrics`` line; rank 0 also appends the step to
-``loss_curve.csv`` in the run directory and redraws ``loss_curve.png`` (:mod:`sat_patches.diagnostics.progress`).
+"""What a run's console says: one short line per logged step, with an ETA (``iteration 4/20 | loss 6.5213 | lr
+1.00e-04 | 1.32 s/it | ETA 0:00:21``), instead of SAT's long ``report_iteration_metrics`` line (rank 0 also appends
+the step to ``loss_curve.csv`` and redraws ``loss_curve.png``: :mod:`sat_patches.diagnostics.progress`); SAT's bulk
+diagnostics go into files of the run directory (``--save``, or ``SAT_PATCHES_LEDGER_DIR``): the ~120 argument lines
+to ``arguments.txt``, the per-interval timer line to ``step_times.csv``, the CUDA memory line only where CUDA is
+present (:mod:`sat_patches.diagnostics.console`). Without a run directory SAT prints as before.
 """
 from __future__ import annotations
+
+import functools
+
+import torch
 
 from ..core import noise
 from ..core.module_patches import QuietThirdPartyPatch
 from ..core.registry import Patch, delegate, expect_params
+from ..diagnostics.console import log_timers_to_file, print_args_to_file
 from ..diagnostics.progress import report_evaluate_metrics_float32, report_iteration_progress
+
+
+def _report_memory(original):
+    @functools.wraps(original)
+    def report_memory(name):
+        if torch.cuda.is_available():
+            return original(name)
+    return report_memory
 
 
 PATCHES = [
@@ -25,4 +41,15 @@ PATCHES = [
           answers="with --bf16, SAT's evaluation hands bf16 metric tensors to TensorBoard's add_scalar ('Got "
                   "unsupported ScalarType BFloat16'): a bf16 run that evaluates dies at its first evaluation",
           expect=expect_params("summary_writer", "prefix", "loss", "ppl", "step", "args", "avg_metrics")),
+    Patch("sat_console_to_files", "sat.training.deepspeed_training:print_args", delegate(print_args_to_file),
+          answers="SAT prints ~120 argument lines at the start of every run; here they go to arguments.txt in "
+                  "the run directory and the console gets one line",
+          expect=expect_params("args")),
+    Patch("timers_to_step_times", "sat.training.utils:Timers.log", delegate(log_timers_to_file),
+          answers="SAT prints a 'time (ms) | forward ...' line per log interval between the progress lines; here "
+                  "the values go to step_times.csv in the run directory",
+          expect=expect_params("self", "names", "normalizer", "reset")),
+    Patch("memory_report_cuda_only", "sat.training.deepspeed_training:report_memory", _report_memory,
+          answers="SAT's CUDA memory line reads all zeros on a CPU rank; printed only where CUDA is present",
+          expect=expect_params("name")),
 ]

@@ -1,5 +1,7 @@
-"""A pure-torch rotary kernel for SAT's ``FastRotaryEmbedding`` where triton or CUDA is missing, and xformers
-(CUDA wheels only) served by a stand-in where it is not installed (:mod:`sat_patches.core.import_hook`).
+"""SAT's attention path: ``attention_fn_default`` reading the mask's kind once per mask
+(:mod:`sat_patches.kernels.attention`), a pure-torch rotary kernel for SAT's ``FastRotaryEmbedding`` where triton
+or CUDA is missing, and xformers (CUDA wheels only) served by a stand-in where it is not installed
+(:mod:`sat_patches.core.import_hook`).
 
 SAT's ``sat/model/position_embedding/triton_rotary.py`` imports ``triton`` at module level, so
 ``import sat`` fails without it, and its kernel only runs on CUDA tensors. LLaMA, hence CogVLM's
@@ -13,7 +15,8 @@ import inspect
 
 from ..core.import_hook import TRITON_ROTARY, XFORMERS
 from ..core.module_patches import ServedModulePatch
-from ..core.registry import Patch
+from ..core.registry import Patch, delegate, expect_names
+from ..kernels.attention import attention_fn
 from ..kernels.rotary import apply_rotary
 
 
@@ -50,4 +53,7 @@ PATCHES = [
         "xformers_standin", "sys.modules:" + XFORMERS, make=None,
         answers="xformers ships CUDA wheels only; CogVLM's EVA2-CLIP attention calls "
                 "xformers.ops.memory_efficient_attention: served from torch's scaled_dot_product_attention"),
+    Patch("attention_mask_read_once", "sat.transformer_defaults:attention_fn_default", delegate(attention_fn),
+          answers="attention_fn_default reads the whole attention mask twice in every layer (host syncs)",
+          expect=expect_names("scaled_dot_product_attention", "tril", "standard_attention")),
 ]
