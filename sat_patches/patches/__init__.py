@@ -4,8 +4,8 @@ Patches sharing a target are ordered in :data:`STACKS` (innermost first, with th
 """
 from ..core.registry import REGISTRY
 
-from . import (rotary, checkpointing, construction, deepspeed_setup, devices, distributed, faults,
-               fork_models, hangs, ledger, loading, lora, preprocess, progress, resume)
+from . import (rotary, construction, deepspeed_setup, devices, distributed, faults,
+               fork_models, hangs, ledger, loading, lora, progress, resume)
 
 # Innermost first.
 MODULES = [
@@ -21,8 +21,6 @@ MODULES = [
     progress,
     hangs,
     resume,
-    checkpointing,
-    preprocess,
     fork_models,
 ]
 

@@ -5,7 +5,8 @@ with each rank's Python stacks, naming the SAT call it was blocked in, and exit 
 ``SAT_PATCHES_COLLECTIVE_TIMEOUT`` sets the timeout of the process groups SAT creates; where NCCL can run, its
 flight recorder is turned on. SAT's functions that run collectives are recorded while they run; a rank's
 watchdog thread reports a thread stuck in one collective, and another rank's report in the store. On SIGTERM
-every thread's stack is dumped and the rank exits 143.
+every thread's stack is dumped and the rank exits 143. SAT's ``make_loaders`` (data preprocessing) runs on rank 0
+first, the others waiting behind a gloo barrier with a timeout of its own (:mod:`sat_patches.runtime.preprocess`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import functools
 
 from ..core.registry import Patch, delegate, expect_names
 from ..diagnostics.watchdog import enable_nccl_flight_recorder, in_sat_call, start_watchdog
+from ..runtime.preprocess import rank0_first
 
 
 def _watched(name: str):
@@ -43,11 +45,24 @@ WATCHED = {  # patch name: (SAT function, a collective its code calls, what it d
 }
 
 
+def _make_loaders(original):
+    """SAT's make_loaders (every rank at once in stock SAT), run on rank 0 first."""
+    @functools.wraps(original)
+    def make_loaders(*args, **kwargs):
+        return rank0_first(functools.partial(original, *args, **kwargs))
+    return make_loaders
+
+
 PATCHES = [
     Patch("collective_timeout", "sat.arguments:initialize_distributed", _initialize_distributed,
           answers="NCCL timeouts and silent hangs: SAT_PATCHES_COLLECTIVE_TIMEOUT for every SAT process group, "
                   "a watchdog and faulthandler dumps on every rank",
           expect=expect_names("init_process_group")),
+    Patch("preprocess_rank0_first", "sat.data_utils.configure_data:make_loaders", _make_loaders,
+          answers="stock SAT: make_loaders ran on every rank at once, so ranks done early hit the NCCL watchdog "
+                  "while one preprocessed and a rank crashing in preprocessing left the others hanging; rank 0 now "
+                  "goes first behind a gloo barrier (SAT_PATCHES_PREPROCESS_TIMEOUT) and its failure is reported",
+          expect=expect_names("make_dataset_full", "make_data_loader")),
 ] + [
     Patch(name, target, _watched(target.rpartition(":")[2]),
           answers=f"stock SAT waits silently when the {collective} in {target.rpartition(':')[2]} ({what}) "

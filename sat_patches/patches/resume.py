@@ -1,6 +1,8 @@
-"""Exact resume: a run continued with ``--mode pretrain --load <run>`` gives the losses the uninterrupted run
-would have given (optimizer shards, learning-rate schedule, random states, data position:
-:mod:`sat_patches.checkpoints.resume`). ZeRO-3 runs keep SAT's own save and load.
+"""Saves and exact resume. A run continued with ``--mode pretrain --load <run>`` gives the losses the uninterrupted
+run would have given (optimizer shards, learning-rate schedule, random states, data position:
+:mod:`sat_patches.checkpoints.resume`; ZeRO-3 runs keep SAT's own save and load). Saves are atomic (a rank killed
+during a save leaves the previous checkpoint loadable) and a LoRA run's hold its adapters
+(:mod:`sat_patches.checkpoints.saving`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from sat.helpers import check_if_zero3
 
 from ..checkpoints.resume import (SCHEDULE_KEYS, load_optimizer_states, restore_lr_schedule, resumable, resuming,
                                   save_optimizer_states, train_restoring_rng,)
+from ..checkpoints.saving import save_adapter_only, save_checkpoint_staged
 from ..core.registry import Patch, delegate, expect_names, expect_params
 
 
@@ -108,4 +111,12 @@ PATCHES = [
           answers="resume (stock SAT): --load resumes only from the iteration 'latest' names; --iteration N "
                   "chooses another saved one",
           expect=expect_params("parser")),
+    Patch("save_adapter_only", "sat.training.model_io:save_ds_checkpoint_no_optim", delegate(save_adapter_only),
+          answers="THUDM/CogVLM#303, THUDM/CogVideo#244: every save of a LoRA run holds the whole model; now its "
+                  "adapters and a manifest naming the base",
+          expect=expect_names("_save_checkpoint")),
+    Patch("atomic_checkpoint_save", "sat.training.model_io:save_checkpoint", delegate(save_checkpoint_staged),
+          answers="THUDM/CogVLM#283, #320 (ranks killed with kill -9): a rank killed mid-save left 'latest' "
+                  "naming an iteration with missing/truncated MP shards; saves are now staged and renamed",
+          expect=expect_names("save_ds_checkpoint", "get_checkpoint_tracker_filename", "barrier")),
 ]
