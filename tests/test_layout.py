@@ -242,3 +242,13 @@ def test_the_package_holds_the_library_alone():
                 continue
             reaching.update((module, n) for n in names if n.split(".")[0] in kit)
     assert reaching == set(), reaching
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines():
+    """Modules stay small: a module that grows past this is split by job."""
+    long = {module: n for module, path in MODULES.items()
+            if (n := len(open(path, encoding="utf-8").read().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
