@@ -15,7 +15,9 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import torch
+import yaml  # transformers' dependency: there wherever SAT is
 
+from ..export import stream
 from ..lora.layer import add_lora_product
 from . import files, sharding, writer
 from .files import CheckpointError
@@ -41,7 +43,6 @@ def config_lora_alpha(path: str) -> Optional[float]:
     none); None without that file."""
     if not is_video_run(path):
         return None
-    import yaml  # transformers' dependency: there wherever SAT is
     with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
         config = yaml.safe_load(f) or {}
     lora = ((((config.get("model") or {}).get("network_config") or {}).get("params") or {}).get("modules") or {}) \
@@ -141,7 +142,6 @@ def diffusers_lora(run: VideoRun) -> Dict[str, torch.Tensor]:
 def export_diffusers(path: str, out: str, iteration: Optional[int] = None, lora_alpha: Optional[float] = None,
                      overwrite: bool = False) -> dict:
     """``out/pytorch_lora_weights.safetensors``: the run's LoRA for ``pipe.load_lora_weights(out)``."""
-    from ..export import stream
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(f"{out} exists; choose a new output folder or pass --overwrite")
     run = VideoRun(path, iteration, lora_alpha)

@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     a = parser().parse_args(argv)
-    from ..checkpoints import files, safe_load  # torch and SAT: only once a conversion is asked for
+    from ..checkpoints import cogvideo, files, safe_load  # torch and SAT: only once a conversion is asked for
     from ..export import hf, importer, peft  # (as above: the CLI starts without them)
     try:
         if a.verb == "hf":
@@ -57,7 +57,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{info['shards']} shard(s), from {info['mp_size']} model-parallel shard(s), "
                   f"{info['lora_layers']} LoRA layer(s) folded) to {a.output}")
         elif a.verb == "diffusers":
-            from ..checkpoints import cogvideo
             info = cogvideo.export_diffusers(a.checkpoint, a.output, a.iteration, a.lora_alpha, a.overwrite)
             print(f"exported the LoRA of {info['layers']} layer(s) ({info['tensors']} tensors, from {info['shards']} "
                   f"model-parallel shard(s), lora_alpha {info['alpha']:g} / r folded into lora_B) to {a.output}")

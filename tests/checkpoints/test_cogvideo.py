@@ -123,7 +123,7 @@ def test_a_run_without_its_config_or_a_lora_off_attention_is_refused(tmp_path):
 def test_diffusers_loads_the_export_and_fuses_it_to_sats_update(tmp_path):
     """A tiny CogVideoXTransformer3DModel (2 layers, 2 heads of 8): ``load_lora_weights`` of the export, then
     ``fuse_lora``; each of Q, K, V and the output projection changes by SAT's folded update (fp32)."""
-    diffusers = pytest.importorskip("diffusers")
+    import diffusers
     state = full_run(2, hidden=16, r=4, seed=1)
     write_run(str(tmp_path / "run"), state, lora_alpha=2)  # scale 2 / 4: diffusers must not be left at 1
     cogvideo.export_diffusers(str(tmp_path / "run"), str(tmp_path / "lora"))
@@ -133,8 +133,8 @@ def test_diffusers_loads_the_export_and_fuses_it_to_sats_update(tmp_path):
     pipe = diffusers.CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
                                        scheduler=None)
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
-    pipe.load_lora_weights(str(tmp_path / "lora"))
-    pipe.fuse_lora()
+    pipe.load_lora_weights(str(tmp_path / "lora"), weight_name=cogvideo.DIFFUSERS_FILE)  # offline, older diffusers
+    pipe.fuse_lora(components=["transformer"])  # diffusers 0.31 defaults to the text encoder too
     after = transformer.state_dict()
     worst = 0.0
     for i in range(2):
