@@ -11,10 +11,9 @@ from multirank import run_ranks
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 
-def train_resume_refuse(root):
+def train_resume_refuse(root, kind):
     """One rank: the base written as CogVideoX releases it (the DiT's weights only, bf16, no LoRA), a bf16 ZeRO-2 LoRA run
     from it, the run resumed through ``--load`` alone, merged and loaded, then refused once the base changed."""
-    import argparse
     import glob
     import torch
     import torch.distributed as dist
@@ -22,14 +21,20 @@ def train_resume_refuse(root):
     from sat_patches.checkpoints import cogvideo, files, merge, writer
     from sat_patches.lora.layer import is_lora_layer
     from sat_patches.checkpoints.adapter import AdapterError
-    import tiny_cogvideo as tc
+    import importlib
+    tc = importlib.import_module(kind)  # the model's module: tiny_cogvideo, or cogvideo_checkout (upstream's code)
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(1)
-    config = {"network_config": tc.network_config()}
-    plain = {"network_config": tc.network_config()}
-    del plain["network_config"]["params"]["modules"]["lora_config"]
+    from sat_patches.runtime import devices
+    config, plain = tc.model_config(), tc.model_config(lora=False)
+    built = set()  # (device, dtype) of every parameter as the DiT creates it, told dtype="bf16", on meta
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(
+        lambda module, name, p: built.add((p.device.type, str(p.dtype))))
+    with devices.use_device("meta"):
+        tc.dit("bf16")
+    hook.remove()
     torch.manual_seed(0)
-    engine = tc.TinyVideoEngine(argparse.Namespace(fp16=False, bf16=False, model_config=plain))
+    engine = tc.engine(plain)
     released = {k: v.bfloat16() for k, v in engine.state_dict().items() if k.startswith("model.diffusion_model.")}
     base = os.path.join(root, "transformer")
     writer.write_layout(base, 1000, {0: {"module": released}})
@@ -45,7 +50,7 @@ def train_resume_refuse(root):
     dit = trained.model.diffusion_model
     merge.fold_lora(dit, [n for n, m in dit.named_modules() if is_lora_layer(m)])
     folded, loaded = dit.state_dict(), merged.model.diffusion_model.state_dict()
-    got = {"run": run, "base": base, "saved": {k: tuple(v.shape) for k, v in saved.items()},
+    got = {"built": sorted(built), "run": run, "base": base, "saved": {k: tuple(v.shape) for k, v in saved.items()},
            "merged_same": sorted(folded) == sorted(loaded) and all(torch.equal(folded[k], loaded[k]) for k in folded),
            "same": sorted(k for k in mine if torch.equal(mine[k], theirs[k])), "keys": sorted(mine),
            "dtypes": sorted({str(v.dtype) for k, v in theirs.items() if k.startswith("model.")}),
@@ -64,8 +69,16 @@ def train_resume_refuse(root):
     return dict(got, refused=refused)
 
 
-def test_an_adapter_only_save_resumes_through_one_load_merges_and_refuses_a_changed_base(tmp_path):
-    [r] = run_ranks(train_resume_refuse, 1, args=(str(tmp_path),), timeout=240,
+CHECKOUT = os.environ.get("SAT_PATCHES_COGVIDEO_CHECKOUT")
+
+
+@pytest.mark.parametrize("kind", [
+    "tiny_cogvideo",
+    pytest.param("cogvideo_checkout", marks=pytest.mark.skipif(
+        not CHECKOUT, reason="SAT_PATCHES_COGVIDEO_CHECKOUT (a THUDM/CogVideo v1.0 checkout's sat/ folder) not set")),
+])
+def test_an_adapter_only_save_resumes_through_one_load_merges_and_refuses_a_changed_base(tmp_path, kind):
+    [r] = run_ranks(train_resume_refuse, 1, args=(str(tmp_path), kind), timeout=240,
                     env={"SAT_PATCHES_HEARTBEAT_TIMEOUT": "0"})
     assert r.ok and r.result is not None, (r.exception or "") + r.output[-4000:]
     got = r.result
@@ -74,7 +87,7 @@ def test_an_adapter_only_save_resumes_through_one_load_merges_and_refuses_a_chan
     assert all(".matrix_A." in k or ".matrix_B." in k for k in got["saved"])
     assert got["lora_trained"]
     assert got["same"] == got["keys"]            # every parameter and buffer, base and adapters
-    assert got["dtypes"] == ["torch.bfloat16"]   # the DiT in the run's dtype
+    assert got["built"] == [("meta", "torch.bfloat16")] and got["dtypes"] == ["torch.bfloat16"]  # the run's dtype
     assert got["merged_same"]
     refused = got["refused"]
     assert refused and f"the adapter in {got['run']} was trained on {got['base']}" in refused, refused

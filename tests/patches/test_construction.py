@@ -59,9 +59,7 @@ def _scenarios(device="meta"):
 
     def dtype_keyword():  # CogVideoX's DiT: told dtype="bf16" by keyword, its transformer_args naming none
         import tiny_cogvideo
-        config = tiny_cogvideo.network_config()
-        config["params"]["dtype"] = "bf16"
-        return tiny_cogvideo.instantiate(config)
+        return tiny_cogvideo.dit("bf16")
 
     return {"direct": direct, "get_model": via_get_model, "mixin_built_outside": mixin_built_outside,
             "mixin_reinit": mixin_reinit, "dtype_keyword": dtype_keyword}

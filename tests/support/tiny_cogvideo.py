@@ -44,6 +44,26 @@ def network_config(num_layers=2, hidden_size=32, heads=4, r=4, lora_alpha=None):
                     "lora_config": lora}}}
 
 
+def model_config(lora=True):
+    """The YAML's ``model:`` (what the engine reads as ``args.model_config``), with or without the LoRA."""
+    network = network_config()
+    if not lora:
+        del network["params"]["modules"]["lora_config"]
+    return {"network_config": network, "not_trainable_prefixes": ["all"]}
+
+
+def dit(dtype):
+    """The DiT alone, as the engine builds it: told its dtype ("bf16", "fp16", "fp32") by keyword."""
+    network = copy.deepcopy(network_config())
+    network["params"]["dtype"] = dtype
+    return instantiate(network)
+
+
+def engine(config, bf16=False):
+    """The engine built outside ``training_main`` (the released base is written from one)."""
+    return TinyVideoEngine(argparse.Namespace(fp16=False, bf16=bf16, model_config=config))
+
+
 def instantiate(config, **extra):
     """``sgm.util.instantiate_from_config``: ``target`` built with ``params`` and ``extra``."""
     module, _, name = config["target"].rpartition(".")
@@ -191,13 +211,26 @@ def create_dataset(path, args):
     return VideoSamples()
 
 
-def forward_step(data_iterator, model, args, timers):
-    batch = next(data_iterator)
+def to_plain(config):
+    """An OmegaConf config (the real engine's) as plain dicts and lists; anything else as it is."""
+    if type(config).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(config)
+    return config
+
+
+def write_config(args):
+    """``training_config.yaml`` into the run's folder, as ``train_video.py``'s forward step writes it."""
     config = os.path.join(args.save or "", "training_config.yaml")
-    if args.save and torch.distributed.get_rank() == 0 and not os.path.exists(config):  # as train_video.py does
+    if args.save and torch.distributed.get_rank() == 0 and not os.path.exists(config):
         os.makedirs(args.save, exist_ok=True)
         with open(config, "w") as f:
-            yaml.safe_dump({"model": args.model_config}, f)
+            yaml.safe_dump({"model": to_plain(args.model_config)}, f)
+
+
+def forward_step(data_iterator, model, args, timers):
+    batch = next(data_iterator)
+    write_config(args)
     loss = model(batch["mp4"].to(args.device), batch["txt"].to(args.device))
     return loss, {}
 
@@ -208,14 +241,14 @@ ARGS = ["--mode", "finetune", "--train-iters", "2", "--batch-size", "2", "--lr",
         "--experiment-name", "tiny-video", "--no-load-rng", "--force-train"]
 
 
-def main(argv, model_config):
+def main(argv, config, engine_class=TinyVideoEngine, step=forward_step, dataset=create_dataset):
     """``train_video.py``'s ``training_main`` call: ``argv`` its arguments (``--load``, ``--save`` ...),
-    ``model_config`` the YAML's ``model:``. Returns the trained engine."""
+    ``config`` the YAML's ``model:``. Returns the trained engine."""
     args = get_args(ARGS + list(argv), argparse.ArgumentParser(description="tiny video"))
-    args.model_config = model_config
-    return deepspeed_training.training_main(args, model_cls=TinyVideoEngine, forward_step_function=forward_step,
-                                            create_dataset_function=create_dataset)
+    args.model_config = config
+    return deepspeed_training.training_main(args, model_cls=engine_class, forward_step_function=step,
+                                            create_dataset_function=dataset)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:], {"network_config": network_config()})
+    main(sys.argv[1:], model_config())
