@@ -1,7 +1,9 @@
-"""A CogVideoX-shaped LoRA run (one ``--load`` of a released-style checkpoint, never ``from_pretrained``): its save
-holds the adapters only (no T5, no VAE), resumes through one ``--load`` to the same parameters, merges (from the
-run's folder alone) into a checkpoint that ``--load`` puts into the DiT without LoRA as the trained DiT folded, and a
-base that changed since is refused with a message naming the adapter and the base."""
+"""A CogVideoX-shaped LoRA run (one ``--load`` of a released-style checkpoint, never ``from_pretrained``), its DiT
+built in bf16 from the ``dtype="bf16"`` keyword: its save holds the adapters only (no T5, no VAE), resumes through one
+``--load`` to the same parameters, merges (from the run's folder alone) into a checkpoint that ``--load`` puts into the
+DiT without LoRA as the trained DiT folded, exports in diffusers' names, and a base that changed since is refused with
+a message naming the adapter and the base. With ``SAT_PATCHES_COGVIDEO_CHECKOUT`` (a THUDM/CogVideo v1.0 checkout's
+``sat/`` folder), the same on upstream's own ``SATVideoDiffusionEngine`` and ``DiffusionTransformer``."""
 import os
 
 import pytest
@@ -15,6 +17,7 @@ def train_resume_refuse(root, kind):
     """One rank: the base written as CogVideoX releases it (the DiT's weights only, bf16, no LoRA), a bf16 ZeRO-2 LoRA run
     from it, the run resumed through ``--load`` alone, merged and loaded, then refused once the base changed."""
     import glob
+    import safetensors.torch
     import torch
     import torch.distributed as dist
     from sat import mpu
@@ -50,7 +53,9 @@ def train_resume_refuse(root, kind):
     dit = trained.model.diffusion_model
     merge.fold_lora(dit, [n for n, m in dit.named_modules() if is_lora_layer(m)])
     folded, loaded = dit.state_dict(), merged.model.diffusion_model.state_dict()
-    got = {"built": sorted(built), "run": run, "base": base, "saved": {k: tuple(v.shape) for k, v in saved.items()},
+    cogvideo.export_diffusers(run, os.path.join(root, "diffusers"))
+    exported = safetensors.torch.load_file(os.path.join(root, "diffusers", cogvideo.DIFFUSERS_FILE))
+    got = {"built": sorted(built), "exported": sorted(exported), "run": run, "base": base, "saved": {k: tuple(v.shape) for k, v in saved.items()},
            "merged_same": sorted(folded) == sorted(loaded) and all(torch.equal(folded[k], loaded[k]) for k in folded),
            "same": sorted(k for k in mine if torch.equal(mine[k], theirs[k])), "keys": sorted(mine),
            "dtypes": sorted({str(v.dtype) for k, v in theirs.items() if k.startswith("model.")}),
@@ -89,6 +94,8 @@ def test_an_adapter_only_save_resumes_through_one_load_merges_and_refuses_a_chan
     assert got["same"] == got["keys"]            # every parameter and buffer, base and adapters
     assert got["built"] == [("meta", "torch.bfloat16")] and got["dtypes"] == ["torch.bfloat16"]  # the run's dtype
     assert got["merged_same"]
+    assert got["exported"] == sorted(f"transformer.transformer_blocks.{i}.attn1.{t}.lora_{f}.weight" for i in range(2)
+                                     for t in ("to_q", "to_k", "to_v", "to_out.0") for f in "AB")
     refused = got["refused"]
     assert refused and f"the adapter in {got['run']} was trained on {got['base']}" in refused, refused
     assert f"but that folder now holds {got['base']}" in refused and refused.count("sha256") == 2
