@@ -146,3 +146,15 @@ def test_diffusers_loads_the_export_and_fuses_it_to_sats_update(tmp_path):
             worst = max(worst, float((fused - before[f"{name}.weight"] - delta).abs().max()))
             assert float(delta.abs().max()) > 1e-3
     assert worst < 1e-6, worst
+
+
+def test_the_command_lines_take_a_run_folder(tmp_path, capsys):
+    from sat_patches.cli import export as export_cli, merge as merge_cli
+    write_run(str(tmp_path / "run"), full_run(2, hidden=8, r=2), adapter_only=False)  # no lora_alpha: LoraMixin's 1
+    assert merge_cli.main([str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    assert export_cli.main(["diffusers", str(tmp_path / "run"), str(tmp_path / "lora"), "--lora-alpha", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "merged 2 model-parallel shard(s) of iteration 10 and 4 LoRA layer(s)" in out
+    assert "16 tensors, from 2 model-parallel shard(s), lora_alpha 4 / r folded into lora_B" in out
+    assert export_cli.main(["diffusers", str(tmp_path / "run"), str(tmp_path / "lora")]) == 1
+    assert "exists; choose a new output folder or pass --overwrite" in capsys.readouterr().err
