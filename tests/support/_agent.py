@@ -19,10 +19,10 @@ import _rank_main
 
 def preload() -> list:
     """What every rank of this run imports first: sat_patches and SAT where the test asks for sat_patches (their
-    settings are this process's environment, the test's), else torch alone."""
+    settings are this process's environment, the test's), else nothing (the rank imports what it needs)."""
     if os.environ.get("SATP_TEST_IMPORT", "1") == "1":
         return ["sat_patches", "sat", "sat.model", "sat.training.deepspeed_training"]
-    return ["torch"]
+    return []
 
 
 def main(argv) -> None:

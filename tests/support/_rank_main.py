@@ -11,6 +11,7 @@ it makes the process group itself, and passes on to the rank the signal torchrun
 """
 import atexit
 import json
+import multiprocessing
 import os
 import pickle
 import runpy
@@ -113,6 +114,7 @@ def forked(workdir: str, *argv: str) -> None:
     """The rank as a worker of :mod:`_agent`: it ends as a multiprocessing child does (``os._exit``), after its
     atexit handlers and with its output flushed."""
     os.setsid()
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
     rank = start(workdir, forward=True)
     code = rank_main(workdir, rank, argv)
     atexit._run_exitfuncs()
