@@ -118,6 +118,10 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "out", choices=("refuse", "skip")),
     Setting("SAT_PATCHES_BAD_RECORDS_MAX", "fraction", 0.1, "the largest share of bad records a run leaves out "
             "under skip"),
+    Setting("SAT_PATCHES_CHECKPOINT_SELECTIVE", "fraction", 0.0, "the share of each transformer's checkpointed "
+            "layers that keep their matrix products' outputs and recompute only the elementwise work"),
+    Setting("SAT_PATCHES_COMPILE_LAYERS", "switch", False, "run each language layer's body as one torch.compile'd "
+            "function shared by every layer"),
     Setting("SAT_PATCHES_PREPROCESS_TIMEOUT", "seconds", 7200.0,
             "how long the other ranks wait while rank 0 prepares the data sets"),
     Setting("SAT_PATCHES_COLLECTIVE_TIMEOUT", "seconds", None,

@@ -4,12 +4,13 @@ Patches sharing a target are ordered in :data:`STACKS` (innermost first, with th
 """
 from ..core.registry import REGISTRY
 
-from . import (rotary, construction, deepspeed_setup, devices, distributed, faults,
+from . import (rotary, checkpointing, construction, deepspeed_setup, devices, distributed, faults,
                fork_models, hangs, ledger, loading, lora, progress, resume)
 
 # Innermost first.
 MODULES = [
     rotary,
+    checkpointing,
     devices,
     faults,
     distributed,

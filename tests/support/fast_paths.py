@@ -21,13 +21,34 @@ def route_by_mask(x: torch.Tensor, mask: torch.Tensor, language, vision) -> torc
     return out
 
 
-def build_cogvlm(checkpointing: bool, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
-    """CogVLM in training mode, tiny unless ``overrides`` give other sizes."""
-    args = tiny_args("cogvlm", checkpoint_activations=checkpointing, **overrides)
+def build_cogvlm(checkpointing: bool, seed: int = 0, device="cpu", dtype=torch.float32, kind: str = "cogvlm",
+                 **overrides):
+    """CogVLM (or ``kind``) in training mode, tiny unless ``overrides`` give other sizes."""
+    args = tiny_args(kind, checkpoint_activations=checkpointing, **overrides)
     torch.manual_seed(seed)
-    model = get_model(args, model_class_for("cogvlm")).to(device=device, dtype=dtype)
+    model = get_model(args, model_class_for(kind)).to(device=device, dtype=dtype)
     model.train()
     return model, args
+
+
+def add_lora(model, rank: int = 2) -> None:
+    """SAT's ``LoraMixin`` on the language model and EVA (as upstream's demo); only the LoRA factors train."""
+    from sat.model.finetune.lora2 import LoraMixin
+    torch.manual_seed(1)
+    model.add_mixin("lora", LoraMixin(len(model.transformer.layers), rank), reinit=True)
+    vit = model.get_mixin("eva").vit_model
+    vit.add_mixin("lora", LoraMixin(len(vit.transformer.layers), rank), reinit=True)
+    for name, p in model.named_parameters():
+        p.requires_grad_("matrix_" in name)
+        if "matrix_B" in name:  # (LoRA starts B at zero: no gradient reaches A, nothing to compare)
+            with torch.no_grad():
+                p.normal_(0, 0.1)
+
+
+def checkpointing(model, on: bool) -> None:
+    """``--checkpoint-activations --vit_checkpoint_activations`` (``on=False``: neither)."""
+    model.transformer.checkpoint_activations = on
+    model.get_mixin("eva").vit_model.transformer.checkpoint_activations = on
 
 
 def cogvlm_batch(args, batch: int = 2, seed: int = 0, device="cpu", dtype=torch.float32) -> dict:
@@ -46,6 +67,11 @@ def cogvlm_batch(args, batch: int = 2, seed: int = 0, device="cpu", dtype=torch.
                   vision_image=torch.randn(batch, 3, size, size, generator=g),
                   vision_input_ids=torch.zeros(batch, 1, dtype=torch.long), vision_position_ids=None,
                   vision_attention_mask=torch.ones(batch, 1, dtype=torch.long))
+    if getattr(args, "cross_image_pix", None):  # CogAgent: the high-resolution image of its cross encoder
+        pix = args.cross_image_pix
+        inputs.update(cross_image=torch.randn(batch, 3, pix, pix, generator=g), cross_position_ids=None,
+                      cross_input_ids=torch.zeros(batch, 1, dtype=torch.long),
+                      cross_attention_mask=torch.ones(batch, 1, dtype=torch.long))
     return {k: None if v is None else v.to(device, dtype=dtype if v.is_floating_point() else v.dtype)
             for k, v in inputs.items()}
 
