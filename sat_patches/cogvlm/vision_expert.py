@@ -19,6 +19,7 @@ from sat.mpu.layers import ColumnParallelLinear, RowParallelLinear
 from sat.mpu.utils import split_tensor_along_last_dim
 from sat.transformer_defaults import attention_fn_default
 
+from ..kernels.compiled import layer_body
 from ..runtime.tensor_memo import TensorMemo
 from .placement import Placement
 from .routing import ExpertRouting, expert_routing
@@ -123,25 +124,26 @@ class LlamaVisionExpertAttnMixin(BaseMixin):
                 self.vision_dense_list[str(i)].weight.copy_(attention.dense.weight)
 
 
+def gated_mlp(act, language, vision, routing: Optional[ExpertRouting], hidden_states):
+    """Upstream's gated MLP, each token through its expert; ``language`` and ``vision`` are (gate, up, down)."""
+    def expert(gate, up, down):
+        return lambda x: down(act(gate(x)) * up(x))
+
+    return route(hidden_states, routing, expert(*language), vision and expert(*vision)).contiguous()
+
+
 def expert_mlp_forward(mixin, hidden_states, **kw_args):
     """The gated MLP of layer ``layer_id``, vision tokens through the layer's vision expert. ``mixin`` has
     upstream's attributes (``gate_proj``, ``vision_*_list``, ``vision_layer_range``): this serves CogVLM's
-    own mixin class too."""
+    own mixin class too. The layer's modules are looked up here; :func:`gated_mlp` is the (compilable) body."""
     layer_id = int(kw_args["layer_id"])
     mlp = mixin.transformer.layers[layer_id].mlp
-    act = mlp.activation_func
-    gate = mixin.gate_proj[layer_id]
-    key = str(layer_id)
-
-    def language(x):
-        return mlp.dense_4h_to_h(act(gate(x)) * mlp.dense_h_to_4h(x))
-
-    def vision(x):
-        up = mixin.vision_dense_h_to_4h_list[key](x)
-        return mixin.vision_dense_4h_to_h_list[key](act(mixin.vision_gate_proj[key](x)) * up)
-
     routing = routing_for(layer_id, mixin.vision_layer_range, kw_args)
-    return route(hidden_states, routing, language, vision).contiguous()
+    key = str(layer_id)
+    vision = routing and (mixin.vision_gate_proj[key], mixin.vision_dense_h_to_4h_list[key],
+                          mixin.vision_dense_4h_to_h_list[key])
+    language = (mixin.gate_proj[layer_id], mlp.dense_h_to_4h, mlp.dense_4h_to_h)
+    return layer_body(gated_mlp)(mlp.activation_func, language, vision, routing, hidden_states)
 
 
 def expert_attention_forward(mixin, hidden_states, mask, **kw_args):

@@ -75,6 +75,10 @@ def is_selective(function) -> bool:
 def checkpoint_chunk(sat_checkpoint, function, *args, **kwargs):
     """SAT's checkpoint of one chunk of layers, or torch's selective one where :func:`layer_states` says so."""
     if is_selective(function):
+        if settings.read("SAT_PATCHES_COMPILE_LAYERS"):
+            raise settings.SettingError(f"{SETTING} and SAT_PATCHES_COMPILE_LAYERS=1 do not combine (a selective "
+                                        f"checkpoint finds its kept tensors changed by the compiled bodies): set "
+                                        f"{SETTING}=0 or SAT_PATCHES_COMPILE_LAYERS=0")
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=SELECTIVE)
     return sat_checkpoint(function, *args, **kwargs)
 
