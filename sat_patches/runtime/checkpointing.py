@@ -92,7 +92,7 @@ def _codes(code):
 
 def expect_layer_chunks(original) -> str:
     """Gate: SAT's ``BaseTransformer.forward`` checkpoints a ``custom_forward`` closing over ``self`` and ``start``."""
-    from sat.model.transformer import BaseTransformer
+    from sat.model.transformer import BaseTransformer  # read when the patch goes on: SAT is importable by then
     chunks = [c for c in _codes(BaseTransformer.forward.__code__) if c.co_name == "custom_forward"]
     if not chunks or not {"self", "start"} <= set(chunks[0].co_freevars):
         return "BaseTransformer.forward no longer checkpoints a custom_forward closing over self and start"
