@@ -53,6 +53,8 @@ setup(
         "requests>=2.28",
         # imported by SAT 0.4.12 without being declared: sat/training/deepspeed_training.py
         "wandb>=0.17.2",
+        # reads a CogVideoX run's training_config.yaml (merge, export diffusers)
+        "PyYAML>=6.0.1",
     ],
     extras_require={
         "demo": DEMO,
@@ -61,8 +63,10 @@ setup(
         # they were run with (torch stays the user's own)
         "hf": hf_pins(),
         # peft loads the PEFT adapter export in the tests; its floor is the hf extra's pin, so the two install
-        # together (.ci/run runs the suite with the newest peft and with this floor)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.8", "peft>=0.11.1"] + DEMO + REPORT,
+        # together (.ci/run runs the suite with the newest peft and with this floor); diffusers loads the CogVideoX
+        # LoRA export (0.31.0: its first release with CogVideoX LoRA, run with that peft and transformers 4.41.2)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.8", "peft>=0.11.1", "diffusers>=0.31.0"]
+        + DEMO + REPORT,
     },
     entry_points={"console_scripts": ["sat-patches=sat_patches.cli.main:main"]},
 )

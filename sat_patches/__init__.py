@@ -6,15 +6,7 @@ import hook of :mod:`sat_patches.core.import_hook`, which also serves the CUDA-o
 are absent (without triton, ``import sat`` needs sat_patches imported first). Per patch opt-out:
 ``SAT_PATCHES_DISABLE=name1,name2``; ``SAT_PATCHES_FORCE=1`` applies patches whose SAT code does not look as
 verified. :func:`status` tells what was applied (applying first if SAT was not imported yet), :func:`unpatch`
-restores the originals.
-
-Where things are: :mod:`sat_patches.patches` (the patch records, one module per SAT concern, and the order
-of those that share a target), the libraries they bind (:mod:`sat_patches.runtime`, :mod:`sat_patches.checkpoints`,
-:mod:`sat_patches.diagnostics`, :mod:`sat_patches.lora`, ...), :mod:`sat_patches.core` (the registry, the settings,
-the model kinds), :mod:`sat_patches.cogvlm` (CogVLM/CogAgent models, trainer, evaluation), :mod:`sat_patches.cli`
-(the ``sat-patches`` command, one module per verb), :mod:`sat_patches.runner` (what the finetune scripts run).
-``python -m sat_patches.launch`` runs a script with the patches armed; ``python -m sat_patches VERB`` is
-``sat-patches VERB``.
+restores the originals. The package layout: README, "How it is built".
 """
 from __future__ import annotations
 

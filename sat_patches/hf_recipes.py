@@ -1,11 +1,8 @@
 """The one version set the README's Hugging Face recipes were run with: ``pip install "sat_patches[hf]"``.
 
-The recipes (bf16 load, 4-bit load with bitsandbytes, the PEFT adapter on the exported base) run the released
-models' own remote code (``modeling_cogvlm.py`` / ``modeling_cogagent.py``), which predates transformers 5 and
-breaks outside a narrow window of its dependencies (:data:`BROKEN_4BIT`).
-
-``setup.py`` reads :data:`PINS` from this file as text, ``sat-patches doctor`` compares what is installed against
-it, the README states the set (a test keeps the three equal). Plain Python: no torch, no SAT.
+The released models' remote code predates transformers 5 and breaks outside a narrow window of its dependencies
+(:data:`BROKEN_4BIT`). ``setup.py`` reads :data:`PINS` as text, ``sat-patches doctor`` compares what is installed
+against it, the README states the set (a test keeps the three equal). Plain Python: no torch, no SAT.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 An adapter-only save keeps SAT's layout with only the trained parameters in ``module`` and writes
 ``<run>/<N>/adapter.json`` beside the shards: the base checkpoint's path, iteration, size and :func:`fingerprint`.
-Loading it needs that base in the model first; a base whose fingerprint differs is refused.
+Loading it needs that base: one the model holds already (``from_pretrained``), else the one named is loaded first
+(a single ``--load``, as CogVideoX's scripts do); a base whose fingerprint differs is refused.
 
 ``SAT_PATCHES_SAVE_ADAPTER_ONLY``: unset (or ``1``), adapter-only saves when the model was loaded from a
 checkpoint and only LoRA matrices train, else the whole model (with ``1``, and a warning); ``0``, always whole.
@@ -92,15 +93,16 @@ def base_checkpoint(manifest: Dict, where: str) -> Checkpoint:
     """The base checkpoint a manifest names, refused unless its files still have the manifest's fingerprint."""
     named = manifest["base"]
     base = find_checkpoint(named["path"], None if named["iteration"] == "release" else named["iteration"])
-    check_base(manifest, fingerprint(base), where)
+    check_base(manifest, fingerprint(base), where, "that folder now holds")
     return base
 
 
-def check_base(manifest: Dict, have: Dict, where: str) -> None:
+def check_base(manifest: Dict, have: Dict, where: str, holder: str = "the model holds") -> None:
     """Refuse when the base in the model (``have``: a :func:`fingerprint`) is not the adapter's."""
     want = manifest["base"]
     if have["sha256"] != want["sha256"]:
         raise AdapterError(
             f"the adapter in {where} was trained on {want['path']} iteration {want['iteration']} (sha256 "
-            f"{want['sha256'][:16]}...), but the model holds {have['path']} iteration {have['iteration']} (sha256 "
-            f"{have['sha256'][:16]}...): load the adapter's own base (from_pretrained) before it")
+            f"{want['sha256'][:16]}...), but {holder} {have['path']} iteration {have['iteration']} (sha256 "
+            f"{have['sha256'][:16]}...): load the adapter's own base (from_pretrained, or put it back at that path "
+            f"for --load) before it")

@@ -47,22 +47,20 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
     mode = getattr(args, "mode", "inference")
     module = model.module if hasattr(model, "module") else model
     manifest = adapter.read_manifest(os.path.dirname(ckpt.files[0]))
-    if manifest is not None:  # adapters only: onto the base the model already holds
+    base_missing = set()  # what neither the adapters nor their base hold
+    if manifest is not None:  # adapters only: onto their base, loaded first unless the model holds it
         base = getattr(module, adapter.BASE_ATTRIBUTE, None)
-        if base is None:
-            raise adapter.AdapterError(
-                f"{ckpt.path} iteration {ckpt.iteration} holds LoRA adapters only: load its base first "
-                f"(from_pretrained('{manifest['base']['path']}'), then add LoRA as the run did), then this")
+        if base is None:  # one --load (CogVideoX's train_video.py, sample_video.py): the base, then the adapters
+            base_ckpt = adapter.base_checkpoint(manifest, ckpt.path)  # refused when it changed
+            with stage(f"loading the base '{base_ckpt.path}' of the adapters in '{ckpt.path}'"):
+                base_missing = set(_load_state(module, args, open_source(base_ckpt, prefix))[0])
+            base = manifest["base"]
+            setattr(module, adapter.BASE_ATTRIBUTE, base)
         adapter.check_base(manifest, base, ckpt.path)
     with stage(f"loading '{ckpt.path}' iteration {ckpt.iteration} (MP={ckpt.mp_size} -> MP={source.size})"):
-        convert = qlora.nf4_as_loaded(module, args)
-        # what a converter (QLoRA's NF4) converts as it loads is copied, not lent (its pages would stay mapped);
-        # under a converter that does not say what it converts, everything is copied
-        converts = getattr(convert, "converts", None)
-        lend = (lambda m: not converts(m)) if converts else convert is None
-        missing, unexpected = load_state(module, source, after=convert, lend=lend)
+        missing, unexpected = _load_state(module, args, source)
     if manifest is not None:  # the base's tensors are not in it; the adapters must be
-        missing = [k for k in missing if is_adapter(k)]
+        missing = [k for k in missing if is_adapter(k) or k in base_missing]
     else:
         setattr(module, adapter.BASE_ATTRIBUTE, adapter.fingerprint(ckpt))
     if unexpected:
@@ -90,6 +88,16 @@ def load_checkpoint(model, args, load_path=None, prefix="", specific_iteration=N
         barrier(f"loaded '{ckpt.path}'")
     print_rank0(f"> loaded {ckpt.path} iteration {ckpt.iteration} (MP={ckpt.mp_size}) with sat_patches")
     return iteration
+
+
+def _load_state(module, args, source):
+    """``load_state`` of ``source`` into ``module``: (missing, unexpected)."""
+    convert = qlora.nf4_as_loaded(module, args)
+    # what a converter (QLoRA's NF4) converts as it loads is copied, not lent (its pages would stay mapped);
+    # under a converter that does not say what it converts, everything is copied
+    converts = getattr(convert, "converts", None)
+    lend = (lambda m: not converts(m)) if converts else convert is None
+    return load_state(module, source, after=convert, lend=lend)
 
 
 def _handle_missing(module, args, mode, missing):

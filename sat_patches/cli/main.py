@@ -11,10 +11,12 @@ from . import doctor, evaluate, export, finetune, merge, plan, report, scripts, 
 COMMANDS = (status, doctor, plan, report, scripts)  # each adds its subparser
 # verbs with their own argument parser: everything after the verb is theirs (``sat-patches export --help``)
 OWN_PARSER = {
-    "merge": (merge.main, "a model-parallel LoRA checkpoint as one MP=1 checkpoint, LoRA folded in"),
+    "merge": (merge.main, "a model-parallel LoRA checkpoint (or a CogVideoX run) as one MP=1 checkpoint, LoRA "
+                          "folded in"),
     "evaluate": (evaluate.main, "every sample of a data set answered by a checkpoint, scored, written out"),
     "finetune": (finetune.main, "standalone CogVLM / CogAgent LoRA fine-tuning: prepare, train, verify"),
-    "export": (export.main, "a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft)"),
+    "export": (export.main, "a SAT checkpoint as a Hugging Face folder (hf) or a PEFT adapter (peft); a CogVideoX "
+                            "run's LoRA for diffusers (diffusers)"),
     "import": (export.import_main, "a Hugging Face folder of CogVLM / CogAgent as a SAT checkpoint (hf)"),
 }
 

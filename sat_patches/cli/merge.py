@@ -8,10 +8,12 @@ import sys
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sat-patches merge", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="SAT checkpoint directory (with 'latest' and model_config.json)")
+    p.add_argument("checkpoint", help="SAT checkpoint directory (with 'latest' and model_config.json), or a CogVideoX "
+                   "run's folder (with training_config.yaml)")
     p.add_argument("output", help="new directory for the MP=1 checkpoint")
-    p.add_argument("--lora-alpha", type=float, default=1.0,
-                   help="the LoraMixin lora_alpha used in training (SAT's and CogVLM's default: 1)")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="the LoraMixin lora_alpha used in training (default: a CogVideoX run's training_config.yaml "
+                        "says it, else 1, SAT's and CogVLM's default)")
     p.add_argument("--iteration", type=int, default=None, help="iteration to merge (default: 'latest')")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     p.add_argument("--import", dest="imports", action="append", default=[],
@@ -21,9 +23,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    from ..checkpoints import merge  # torch and SAT: only once a merge is asked for (the CLI starts without them)
+    from ..checkpoints import cogvideo, merge  # torch and SAT: only once asked for (the CLI starts without them)
     try:
-        info = merge.merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite, a.imports)
+        if cogvideo.is_video_run(a.checkpoint):  # a CogVideoX run: its DiT, from the checkpoint alone
+            info = cogvideo.merge(a.checkpoint, a.output, a.lora_alpha, a.iteration, a.overwrite)
+        else:
+            alpha = 1.0 if a.lora_alpha is None else a.lora_alpha
+            info = merge.merge(a.checkpoint, a.output, alpha, a.iteration, a.overwrite, a.imports)
     except merge.CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, merge.MergeError) else 2  # the statuses of the exits these errors replace

@@ -3,21 +3,7 @@
 Our own implementation of the architectures in THUDM/CogVLM (``utils/models/*``) with upstream's
 parameter names and ``model_config.json`` fields, so released SAT checkpoints (``cogvlm-base-490``,
 ``cogagent-chat``) load, and small configurations build in milliseconds for tests and CPU runs.
-
-Tiny run, as upstream's ``finetune_demo`` does it (``args`` from ``sat.get_args`` plus the demo's
-own options, e.g. ``--max_length 80 --local_tokenizer <run.tokenizer_dir>``)::
-
-    import sat_patches
-    from sat_patches.cogvlm import (prepare_tiny_run, FineTuneTrainCogVLMModel, llama2_tokenizer,
-                                    llama2_text_processor, get_image_processor, ItemDataset, data_collator)
-    run = prepare_tiny_run("/tmp/tiny", "cogvlm")          # tokenizer/, data/train, data/valid, model/
-    model, args = FineTuneTrainCogVLMModel.from_pretrained(run.model_dir, args)
-    tokenizer = llama2_tokenizer(run.tokenizer_dir, signal_type="base")
-    text_processor = llama2_text_processor(tokenizer, run.max_length, args.image_length)
-    image_processor = get_image_processor(args.eva_args["image_size"][0])
-    train = ItemDataset(image_processor, text_processor, args, run.train_dir)   # collate_fn=data_collator
-
-Without files: ``model, args = build_tiny_model("cogagent")`` (SAT ``get_model`` on ``tiny_args``).
+A tiny run's files: ``prepare_tiny_run(folder, kind)``; without files: ``build_tiny_model(kind)``.
 """
 import importlib
 

@@ -54,7 +54,7 @@ def error_kinds(exc: BaseException) -> FrozenSet[str]:
     c10d ``DistError``), :data:`NO_BACKEND`; empty for an error of this rank's own."""
     text = str(exc).lower()
     kinds = {kind for kind, texts in _ERROR_TEXTS.items() if any(t in text for t in texts)}
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, dist.DistError):
         kinds.add(PEER_LOST)
     return frozenset(kinds)
 

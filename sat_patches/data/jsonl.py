@@ -1,15 +1,7 @@
 """Fine-tuning records in JSON Lines: read, check, and turn into (image, history, query, answer) samples.
 
-One record per line::
-
-    {"image": "imgs/1.jpg", "prompt": "What is written here?", "answer": "X7KQ"}
-    {"image": "imgs/2.jpg", "conversations": [{"user": "Describe it.", "assistant": "A red car."},
-                                              {"user": "Where is the car?", "assistant": "At [[102,310,588,790]]."}]}
-
-``image`` is a path relative to the JSONL file's folder (or absolute); ``id`` is optional. A
-conversation of N turns gives N samples: turn k is asked with turns 1..k-1 as its history, and only its
-answer is trained on. Grounding boxes are written in CogVLM's text form ``[[x0,y0,x1,y1]]`` (several:
-``[[x0,y0,x1,y1;x0,y0,x1,y1]]``), integers from 0 to 999 relative to the image's width and height.
+The format is the README's "Your own data": ``{"image", "prompt", "answer"}`` or ``{"image",
+"conversations": [{"user", "assistant"}, ...]}`` (turn k asked with turns 1..k-1 as history), ``id`` optional.
 
 Every record is checked when it is read (JSON, fields, the image decoded, non-empty answers, the boxes);
 each problem is reported with ``file:line`` and what to change, then :func:`settle` applies

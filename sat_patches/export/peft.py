@@ -1,12 +1,8 @@
 """A SAT LoRA run's adapters as a PEFT adapter for the exported model (``sat-patches export peft ADAPTER OUT``).
 
-SAT's ``lora2`` keeps ``partition`` (A_i, B_i) pairs on a fused layer (three on ``query_key_value``: Q, K,
-V), each of rank r, and adds ``scaling * B_i @ A_i`` to the i-th stacked block of rows, ``scaling =
-lora_alpha / r``. On HF's fused ``language_expert_query_key_value`` the same update is one LoRA of rank
-``partition * r``: A the A_i stacked, B block-diagonal (B_i in the rows of block i, the columns of A_i),
-so ``B @ A`` is ``B_i @ A_i`` in block i and nothing across blocks. PEFT scales by ``lora_alpha / rank``,
-so the fused layers get ``lora_alpha * partition`` (``alpha_pattern``) beside their rank (``rank_pattern``):
-the update to every weight is SAT's exactly.
+SAT's ``partition`` (A_i, B_i) pairs of rank r on a fused layer become one LoRA of rank ``partition * r`` on HF's
+fused ``language_expert_query_key_value``: A the A_i stacked, B block-diagonal, ``lora_alpha * partition``
+(``alpha_pattern``) beside that rank (``rank_pattern``), so the update to every weight is SAT's exactly.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """SAT's default attention, choosing its kernel without reading the mask in every layer.
 
-SAT 0.4.12's ``attention_fn_default`` compares the whole attention mask with a lower-triangular one and
-checks it for all-ones on every call: two host syncs per layer, again in every recomputed layer, before it
-chooses torch's fused ``scaled_dot_product_attention`` (causal or full) or its own masked softmax. Here the
-mask's kind is read once per mask (:class:`~sat_patches.runtime.tensor_memo.TensorMemo`); the choice and the
-call are SAT's, keys and values expanded (copied) to the query heads as SAT does.
+SAT 0.4.12 compares the whole mask with a lower-triangular one and checks it for all-ones on every call (two host
+syncs per layer). Here the mask's kind is read once per mask (:class:`~sat_patches.runtime.tensor_memo.TensorMemo`);
+the choice and the call are SAT's.
 """
 from __future__ import annotations
 

@@ -21,12 +21,14 @@ def _model_args(args, kwargs):
 
 def _construct_model(original):
     """``SomeModel(args, ...)`` for every SAT model class: built inside
-    :func:`~sat_patches.runtime.construction.build_on`."""
+    :func:`~sat_patches.runtime.construction.build_on`, in the dtype its ``params_dtype``/``dtype`` keyword or
+    ``args`` name."""
     def __call__(cls, *args, **kwargs):
         sat_args = _model_args(args, kwargs)
         if current_build() is not None or (sat_args is not None and check_if_zero3(sat_args)):
             return original(cls, *args, **kwargs)  # nested, or DeepSpeed zero.Init places params
-        with build_on(devices.compute_device(), run_dtype(sat_args, kwargs.get("params_dtype"))):
+        told = kwargs.get("params_dtype", kwargs.get("dtype"))  # CogVideoX's DiT is told by keyword: dtype="bf16"
+        with build_on(devices.compute_device(), run_dtype(sat_args, told)):
             return original(cls, *args, **kwargs)
     return __call__
 

@@ -1,11 +1,5 @@
-"""Faults and bad input: dead ranks named, and LoRA/DeepSpeed arguments that cannot work refused.
-
-* ``lora_args_check``: :func:`sat_patches.runtime.checks.check_lora_args` in ``LoraMixin.__init__`` (stock SAT
-  takes ``r=0`` to a ``ZeroDivisionError`` and silently skips an out-of-range layer).
-* ``deepspeed_config_json``: a bad ``--deepspeed_config`` named with its line, not a bare ``JSONDecodeError``.
-* ``rank_heartbeat``: a SIGKILLed rank (THUDM/CogVLM#283, #320) is named by the others' heartbeat threads
-  (:mod:`sat_patches.diagnostics.heartbeat`) instead of a 30-minute wait.
-"""
+"""Faults and bad input: dead ranks named (:mod:`sat_patches.diagnostics.heartbeat`), and LoRA/DeepSpeed arguments
+that cannot work refused (:mod:`sat_patches.runtime.checks`)."""
 from __future__ import annotations
 
 import functools

@@ -2,11 +2,9 @@
 with each rank's Python stacks, naming the SAT call it was blocked in, and exit status 124, instead of waiting
 30 minutes or until someone kills the job (:mod:`sat_patches.diagnostics.watchdog`).
 
-``SAT_PATCHES_COLLECTIVE_TIMEOUT`` sets the timeout of the process groups SAT creates; where NCCL can run, its
-flight recorder is turned on. SAT's functions that run collectives are recorded while they run; a rank's
-watchdog thread reports a thread stuck in one collective, and another rank's report in the store. On SIGTERM
-every thread's stack is dumped and the rank exits 143. SAT's ``make_loaders`` (data preprocessing) runs on rank 0
-first, the others waiting behind a gloo barrier with a timeout of its own (:mod:`sat_patches.runtime.preprocess`).
+``SAT_PATCHES_COLLECTIVE_TIMEOUT`` sets the timeout of the process groups SAT creates. SAT's ``make_loaders``
+(data preprocessing) runs on rank 0 first, the others waiting behind a gloo barrier
+(:mod:`sat_patches.runtime.preprocess`).
 """
 from __future__ import annotations
 

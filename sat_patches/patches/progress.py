@@ -1,9 +1,6 @@
-"""What a run's console says: one short line per logged step, with an ETA (``iteration 4/20 | loss 6.5213 | lr
-1.00e-04 | 1.32 s/it | ETA 0:00:21``), instead of SAT's long ``report_iteration_metrics`` line (rank 0 also appends
-the step to ``loss_curve.csv`` and redraws ``loss_curve.png``: :mod:`sat_patches.diagnostics.progress`); SAT's bulk
-diagnostics go into files of the run directory (``--save``, or ``SAT_PATCHES_LEDGER_DIR``): the ~120 argument lines
-to ``arguments.txt``, the per-interval timer line to ``step_times.csv``, the CUDA memory line only where CUDA is
-present (:mod:`sat_patches.diagnostics.console`). Without a run directory SAT prints as before.
+"""What a run's console says: one short progress line per logged step with an ETA
+(:mod:`sat_patches.diagnostics.progress`); SAT's bulk diagnostics go into files of the run directory
+(:mod:`sat_patches.diagnostics.console`). Without a run directory SAT prints as before.
 """
 from __future__ import annotations
 

@@ -2,11 +2,8 @@
 (:mod:`sat_patches.kernels.attention`), a pure-torch rotary kernel for SAT's ``FastRotaryEmbedding`` where triton
 or CUDA is missing, and xformers (CUDA wheels only) served by a stand-in where it is not installed
 (:mod:`sat_patches.core.import_hook`).
-
-SAT's ``sat/model/position_embedding/triton_rotary.py`` imports ``triton`` at module level, so
-``import sat`` fails without it, and its kernel only runs on CUDA tensors. LLaMA, hence CogVLM's
-language model, uses ``FastRotaryEmbedding``. Only SAT's own rotary module is substituted: a fake
-top-level ``triton`` would break ``torch._inductor``.
+SAT's ``triton_rotary`` imports ``triton`` at module level and runs only on CUDA; only that module is
+substituted (a fake top-level ``triton`` would break ``torch._inductor``).
 """
 from __future__ import annotations
 

@@ -36,9 +36,15 @@ def current_build() -> Optional[BuildTarget]:
     return _current
 
 
-def run_dtype(args=None, params_dtype: Optional[torch.dtype] = None) -> torch.dtype:
-    """The dtype SAT's ``get_model`` casts a model to: ``params_dtype`` if given, else fp16/bf16 from args."""
-    if params_dtype is not None:
+_NAMED = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def run_dtype(args=None, params_dtype=None) -> torch.dtype:
+    """The dtype SAT's ``get_model`` casts a model to: ``params_dtype`` if given (a torch dtype, or a name as
+    CogVideoX's ``DiffusionTransformer(dtype="bf16")`` is given it), else fp16/bf16 from args."""
+    if isinstance(params_dtype, str):
+        params_dtype = _NAMED.get(params_dtype)
+    if isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point:
         return params_dtype
     if getattr(args, "fp16", False):
         return torch.half

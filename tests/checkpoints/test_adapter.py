@@ -100,7 +100,7 @@ def test_an_adapter_only_save_is_small_and_reloads_merges_and_checks_its_base(tm
     assert r.result is not None, (r.exception or "") + r.output[-4000:]
     assert r.result["same_merge"]
     refused = r.result["refused"]
-    assert refused and f"was trained on {other}" in refused and "but the model holds" in refused
+    assert refused and f"was trained on {other}" in refused and f"but that folder now holds {other}" in refused
     assert refused.count("sha256") == 2 and "load the adapter's own base" in refused
 
 

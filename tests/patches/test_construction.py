@@ -1,7 +1,7 @@
 """One construction context: with the device policy at meta and a bf16 run, every parameter SAT
 builds (base transformer, LLaMA's mixins, CogVLM-like vision-expert mixins that default to
 ``device=torch.device('cpu')``/fp32, a mixin built outside the model, layers a mixin's ``reinit``
-builds) is on meta in bf16.
+builds, CogVideoX's DiT told its dtype by keyword) is on meta in bf16.
 
 One process: each scenario runs patched, then with one construction patch restored (it must then
 leave CPU/fp32 parameters behind), then patched again.
@@ -57,8 +57,12 @@ def _scenarios(device="meta"):
         model.reinit(["late"])
         return model.get_mixin("late")
 
+    def dtype_keyword():  # CogVideoX's DiT: told dtype="bf16" by keyword, its transformer_args naming none
+        import tiny_cogvideo
+        return tiny_cogvideo.dit("bf16")
+
     return {"direct": direct, "get_model": via_get_model, "mixin_built_outside": mixin_built_outside,
-            "mixin_reinit": mixin_reinit}
+            "mixin_reinit": mixin_reinit, "dtype_keyword": dtype_keyword}
 
 
 def construction_report(device="meta"):
@@ -107,7 +111,8 @@ def report():
 
 META_BF16 = [("meta", "torch.bfloat16")]
 # a mixin built before add_mixin is created on CPU by its own code: what counts is where it ends up
-WHEN = {"direct": "created", "get_model": "created", "mixin_built_outside": "final", "mixin_reinit": "created"}
+WHEN = {"direct": "created", "get_model": "created", "mixin_built_outside": "final", "mixin_reinit": "created",
+        "dtype_keyword": "created"}
 
 
 @pytest.mark.parametrize("scenario", list(WHEN))
@@ -121,6 +126,7 @@ def test_every_parameter_on_meta_in_run_dtype(report, scenario):
     ("build_models_on_device", "get_model"),  # stock builds a CPU fp32 model, then casts and moves it
     ("add_mixin_on_device", "mixin_built_outside"),
     ("reinit_on_device", "mixin_reinit"),
+    ("build_models_on_device", "dtype_keyword"),
 ])
 def test_without_the_patch_parameters_land_on_cpu(report, patch, scenario):
     assert ("cpu", "torch.float32") in report[scenario][patch][WHEN[scenario]], report[scenario]

@@ -22,7 +22,8 @@ def tiny_run(tmp_path_factory):
     # (--save would do, but SwissArmyTransformer 0.4.12's final save_checkpoint fails on CPU ranks: torch's
     # AdamW has no .optimizer)
     run_dir = str(tmp_path_factory.mktemp("run"))
-    results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir})
+    # fresh interpreters: the ledger measures each rank's memory as a user's process has it
+    results = run_script(SCRIPT, nranks=2, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": run_dir}, fresh=True)
     for r in results:
         assert r.ok, r.output[-4000:]
     return run_dir, results
@@ -108,7 +109,8 @@ def test_plan_within_15_percent_of_the_ledger_on_the_tiny_model(tiny_run):
 
 @pytest.mark.slow
 def test_plan_within_15_percent_of_the_ledger_on_a_mid_size_model(tiny_run, tmp_path):
-    [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)})
+    [r] = run_script([*SCRIPT, *MID], nranks=1, timeout=300, env={"SAT_PATCHES_LEDGER_DIR": str(tmp_path)},
+                     fresh=True)
     assert r.ok, r.output[-4000:]
     config = _lora_llama(4, 1024, 16, 32000)
     assert shapes.parameter_count(config, lora_rank=4, lora_eva=False) == _sat_parameter_count(r.output) > 1e8

@@ -5,8 +5,13 @@ The process torchrun starts writes ``rank<RANK>.pid`` and sends its fds 1 and 2 
 then forks the rank itself and waits for it: it writes how the rank ended into ``rank<RANK>.status`` (an exit code,
 or minus the number of the signal that ended it, which the rank cannot record itself) and ends the same way, so
 that torchrun sees what the rank did. Both are one process group, which torchrun and the timeout end as one.
+
+:func:`forked` is the same rank as a worker of :mod:`_agent` (a child of its forkserver, SAT already imported):
+it makes the process group itself, and passes on to the rank the signal torchrun sends it alone.
 """
+import atexit
 import json
+import multiprocessing
 import os
 import pickle
 import runpy
@@ -80,8 +85,9 @@ def rank_main(workdir: str, rank: str, argv) -> int:
     return code
 
 
-def supervise(child: int, status_file: str) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM to the group ends the rank; recorded here
+def supervise(child: int, status_file: str, forward: bool = False) -> None:
+    # torchrun's SIGTERM to the group ends the rank, recorded here (``forward``: sent to this process alone)
+    signal.signal(signal.SIGTERM, (lambda sig, _: os.kill(child, sig)) if forward else signal.SIG_IGN)
     status = os.waitpid(child, 0)[1]
     code = os.waitstatus_to_exitcode(status)
     _write(status_file, str(code).encode())
@@ -92,11 +98,32 @@ def supervise(child: int, status_file: str) -> None:
     sys.exit(code if code >= 0 else 128 - code)
 
 
-if __name__ == "__main__":
-    workdir, rank = sys.argv[1], os.environ["RANK"]
+def start(workdir: str, forward: bool = False) -> str:
+    """Record this process, send its output to the run's folder and fork the rank: returns the rank's number in the
+    rank; the supervisor never returns."""
+    rank = os.environ["RANK"]
     _write(os.path.join(workdir, f"rank{rank}.pid"), str(os.getpid()).encode())
     _redirect(workdir, rank)
     child = os.fork()
     if child:
-        supervise(child, os.path.join(workdir, f"rank{rank}.status"))
+        supervise(child, os.path.join(workdir, f"rank{rank}.status"), forward)
+    return rank
+
+
+def forked(workdir: str, *argv: str) -> None:
+    """The rank as a worker of :mod:`_agent`: it ends as a multiprocessing child does (``os._exit``), after its
+    atexit handlers and with its output flushed."""
+    os.setsid()
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
+    rank = start(workdir, forward=True)
+    code = rank_main(workdir, rank, argv)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    workdir = sys.argv[1]
+    rank = start(workdir)
     sys.exit(rank_main(workdir, rank, sys.argv[2:]))

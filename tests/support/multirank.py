@@ -87,10 +87,11 @@ def run_fresh(code: str, env: Optional[dict] = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
-def torchrun_command(nranks: int, port: int, nodes: int, node: int, rank_args: Sequence[str]) -> List[str]:
+def torchrun_command(nranks: int, port: int, nodes: int, node: int, rank_args: Sequence[str],
+                     fresh: bool = True) -> List[str]:
     if nodes < 1 or nranks % nodes:
         raise ValueError(f"{nranks} ranks do not split evenly over {nodes} node(s)")
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nranks // nodes),
+    return [sys.executable, "-m", "torch.distributed.run" if fresh else "_agent", "--nproc-per-node", str(nranks // nodes),
             "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
             "--master-port", str(port), "--max-restarts", "0", "-m", "_rank_main", *rank_args]
 
@@ -136,7 +137,7 @@ def _end(agents, files) -> None:
 
 
 def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], timeout: float, patches,
-            env: Optional[dict], cwd: Optional[str]) -> List[RankResult]:
+            env: Optional[dict], cwd: Optional[str], fresh: bool) -> List[RankResult]:
     files = {rank: {kind: os.path.join(workdir, f"rank{rank}.{kind}") for kind in ("out", "err", "status", "pid")}
              for rank in range(nranks)}
     with open(os.path.join(workdir, "env.json"), "w") as f:
@@ -146,7 +147,7 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
     agents = []
     for node in range(nodes):
         with open(os.path.join(workdir, f"torchrun{node}.log"), "w") as log:
-            agents.append(subprocess.Popen(torchrun_command(nranks, port, nodes, node, [workdir, *rank_args]),
+            agents.append(subprocess.Popen(torchrun_command(nranks, port, nodes, node, [workdir, *rank_args], fresh),
                                            env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     deadline, ended_at = time.monotonic() + timeout, None
@@ -173,7 +174,7 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
 
 def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwargs: Optional[dict] = None,
               timeout: float = 120, patches: Any = True, env: Optional[dict] = None,
-              nodes: int = 1) -> List[RankResult]:
+              nodes: int = 1, fresh: bool = False) -> List[RankResult]:
     """Call ``fn(*args, **kwargs)`` on ``nranks`` ranks; returns one :class:`RankResult` per rank. ``nodes``: the
     ranks laid out on that many nodes (one torchrun each), all on this machine.
 
@@ -184,7 +185,7 @@ def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwarg
     with tempfile.TemporaryDirectory(prefix="satp-ranks-") as workdir:
         with open(os.path.join(workdir, "call.pkl"), "wb") as f:
             pickle.dump((target, args, kwargs or {}), f)
-        results = _launch(workdir, nranks, nodes, ["--call"], timeout, patches, env, None)
+        results = _launch(workdir, nranks, nodes, ["--call"], timeout, patches, env, None, fresh)
         for r in results:
             outcome = _read(os.path.join(workdir, f"rank{r.rank}.result"), "rb")
             if outcome is not None:
@@ -197,8 +198,9 @@ def run_ranks(fn: Union[Callable, str], nranks: int = 2, args: tuple = (), kwarg
 
 
 def run_script(argv: Sequence[str], nranks: int = 2, timeout: float = 300, patches: Any = True,
-               env: Optional[dict] = None, cwd: Optional[str] = None, nodes: int = 1) -> List[RankResult]:
+               env: Optional[dict] = None, cwd: Optional[str] = None, nodes: int = 1,
+               fresh: bool = False) -> List[RankResult]:
     """Run ``python <argv>`` (a script path or ``-m module``) on ``nranks`` ranks in ``cwd`` (``nodes``: as in
     :func:`run_ranks`)."""
     with tempfile.TemporaryDirectory(prefix="satp-ranks-") as workdir:
-        return _launch(workdir, nranks, nodes, ["--script", *argv], timeout, patches, env, cwd)
+        return _launch(workdir, nranks, nodes, ["--script", *argv], timeout, patches, env, cwd, fresh)

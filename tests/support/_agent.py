@@ -1,0 +1,37 @@
+"""torchrun whose ranks are forked from one process that imported their modules once, for :mod:`multirank`:
+``python -m _agent TORCHRUN-OPTIONS -m _rank_main RUN-FOLDER ...``.
+
+torchrun's own options and configuration (``torch.distributed.run``), its agent and rendezvous; only the workers
+start another way: ``elastic_launch`` with the ``forkserver`` start method, whose server imports :func:`preload`
+once (Python's ``multiprocessing.set_forkserver_preload``). Each rank then skips the seconds a new interpreter
+spends importing torch, SAT and sat_patches. Such a rank is a multiprocessing child: it ends by ``os._exit`` after
+its atexit handlers, without the interpreter's teardown (a test that needs the teardown asks for fresh interpreters).
+"""
+import multiprocessing
+import os
+import sys
+
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, parse_args
+
+import _rank_main
+
+
+def preload() -> list:
+    """What every rank of this run imports first: sat_patches and SAT where the test asks for sat_patches (their
+    settings are this process's environment, the test's), else nothing (the rank imports what it needs)."""
+    if os.environ.get("SATP_TEST_IMPORT", "1") == "1":
+        return ["sat_patches", "sat", "sat.model", "sat.training.deepspeed_training"]
+    return []
+
+
+def main(argv) -> None:
+    args = parse_args(argv)
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.set_forkserver_preload(preload())
+    elastic_launch(config, _rank_main.forked)(*args.training_script_args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
