@@ -66,7 +66,8 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     if bf16_fits and qlora_fits:
         q = min(qlora_fits, key=_preference).estimate
         lines.append(f"QLoRA (QLORA=1) fits too: {q.per_gpu / GB:.1f} GB per GPU at MP_SIZE=1, micro-batch "
-                     f"{q.setup.micro_batch} x accumulation {q.setup.accumulation} (an NF4 base; --json lists its rows)")
+                     f"{q.setup.micro_batch} x accumulation {q.setup.accumulation} (an NF4 base; --json lists its "
+                     f"rows)")
     if best is None:
         lines.append("recommendation: nothing fits" + ("" if opts else f": no MP size has data-parallel ranks that "
                                                         f"divide --global-batch {args.global_batch}") +

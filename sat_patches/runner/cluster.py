@@ -17,8 +17,6 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
-MASTER_PORT = "16666"  # upstream's finetune_cogvlm_lora.sh (deepspeed --master_port 16666)
-
 
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list (``node[01-04,07],gpu5`` -> ``node01``): ``scontrol show hostnames``
@@ -74,11 +72,8 @@ def slurm_errors(environ: Dict[str, str]) -> List[str]:
     if not slurm_settings(environ) or not tasks or not nodes or tasks == nodes:
         return []
     return [f"Slurm runs {tasks} copies of this script on {nodes} node(s): it starts every rank of its node itself, "
-            f"so run one task per node: srun --nodes={nodes} --ntasks-per-node=1 bash {script_name(environ)}."]
-
-
-def script_name(env: Dict[str, str]) -> str:
-    return f"finetune_{env.get('MODEL_KIND', 'cogvlm')}.sh"
+            f"so run one task per node: srun --nodes={nodes} --ntasks-per-node=1 bash "
+            f"finetune_{environ.get('MODEL_KIND', 'cogvlm')}.sh."]
 
 
 def node_errors(env: Dict[str, str], nnodes: int, per_node: int, mp: int, unit: str) -> List[str]:
@@ -108,10 +103,9 @@ def node_line(env: Dict[str, str]) -> str:
 
 
 def torchrun(env: Dict[str, str], per_node: str) -> List[str]:
-    """``python -m torch.distributed.run`` starting ``per_node`` ranks on this node (and its place among
-    ``NNODES`` nodes)."""
+    """``python -m torch.distributed.run`` starting ``per_node`` ranks on this node (of ``NNODES``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", per_node]
-    if int(env.get("NNODES") or 1) > 1:
+    if multi_node(env):
         cmd += ["--nnodes", env["NNODES"], "--node-rank", env["NODE_RANK"], "--master-addr", env["MASTER_ADDR"]]
     return cmd + ["--master-port", env["MASTER_PORT"]]
 
@@ -123,8 +117,3 @@ def multi_node(env: Dict[str, str]) -> bool:
 def first_node(env: Dict[str, str]) -> bool:
     """This node prepares and, after training, merges and checks (its ranks hold rank 0's saves)."""
     return not multi_node(env) or env.get("NODE_RANK", "0") == "0"
-
-
-def default_port(env: Dict[str, str]) -> Optional[str]:
-    """Every node must use the same port: upstream's unless set."""
-    return MASTER_PORT if multi_node(env) else None

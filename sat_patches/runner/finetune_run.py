@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     env = settings(dict(os.environ))
     kind, run_mode = env["MODEL_KIND"], mode(env)
     on_cpu = run_mode in ("cpu", "checkout-cpu")
-    env.setdefault("MASTER_PORT", cluster.default_port(env) or ("16666" if not on_cpu else str(free_port())))
+    # every node must use the same port: upstream's (deepspeed --master_port 16666), a free one for CPU ranks alone
+    env.setdefault("MASTER_PORT", str(free_port()) if on_cpu and not cluster.multi_node(env) else "16666")
     errors = check(env)
     if on_cpu:  # the user's TRAIN_DATA / VALID_DATA, when given (else GENERATED_DATA)
         errors += data_errors(env) + cpu_data_errors(env, kind, run_mode)

@@ -56,19 +56,25 @@ def planned(env: Dict[str, str], config: dict, size: int) -> Tuple[Optional[sear
         return None, f"the plan does not know MODEL_TYPE={env['MODEL_TYPE']}"
     zero = config.get("zero_optimization", {})
     given = {k: int(env[k]) for k in ("MICRO_BATCH", "CHECKPOINT_SKIP_LAYERS") if env.get(k)}
-    gpus, nodes, mp, qlora = int(env["NUM_GPUS_PER_WORKER"]), int(env["NNODES"]), int(env["MP_SIZE"]), env.get("QLORA") == "1"
-    opts = search.options(model, gpus, memory, nodes=nodes, zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
-                          micro_batch=given.get("MICRO_BATCH"), checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"),
-                          global_batch=size, seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]),
-                          train=env["TRAINABLE"], checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
+    gpus, nodes, mp = (int(env[k]) for k in ("NUM_GPUS_PER_WORKER", "NNODES", "MP_SIZE"))
+    qlora = env.get("QLORA") == "1"
+    opts = search.options(model, gpus, memory, nodes=nodes, zero=zero.get("stage", 0), global_batch=size,
+                          offload="offload_optimizer" in zero, micro_batch=given.get("MICRO_BATCH"),
+                          checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"), seq_len=int(env["MAX_LENGTH"]),
+                          lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
+                          checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
     best = search.recommend([o for o in opts if o.estimate.setup.mp == mp and o.estimate.setup.qlora == qlora])
-    if best or "MICRO_BATCH" in given:
-        return best, f"nothing fits {gpus} x {memory:g} GB by the plan's estimate" if not best else ""
+    if best:
+        return best, (f"the fastest that fits {gpus} x {memory:g} GB at MP_SIZE={mp} by the plan "
+                      f"({best.estimate.per_gpu / 1e9:.1f} GB per GPU, {best.time.tokens_per_s:.0f} tokens/s "
+                      f"predicted), checkpointed layers: {checkpointing(best.estimate.setup)}")
+    if "MICRO_BATCH" in given:
+        return None, f"nothing fits {gpus} x {memory:g} GB by the plan's estimate"
     fit = [o.estimate.setup for o in opts if o.viable]
     ways = [f"MP_SIZE={m}" for m in sorted({s.mp for s in fit if not s.qlora}) if m != mp]
     ways += ["QLORA=1"] if not qlora and any(s.qlora for s in fit) else []
-    raise PlanError(f"nothing fits {nodes * gpus} x {memory:g} GB GPUs at MP_SIZE={mp}{' with QLORA=1' if qlora else ''}"
-                    f", not even micro-batch 1 with every layer checkpointed (global batch {size}; sat-patches plan "
+    raise PlanError(f"nothing fits {nodes * gpus} x {memory:g} GB GPUs at MP_SIZE={mp}"
+                    f"{' with QLORA=1' if qlora else ''}, not even micro-batch 1 with every layer checkpointed (global batch {size}; sat-patches plan "
                     f"--model {env['MODEL_TYPE']} --gpus {gpus} --gpu-mem {memory:g} shows the memory): set "
                     + ", or ".join(ways + ["more GPUs (a larger MP_SIZE) or cards with more memory"]) + ".")
 
@@ -82,14 +88,10 @@ def run_plan(env: Dict[str, str]) -> RunPlan:
     option, why = planned(env, config, size) if on_gpu else (None, "")
     setup = option.estimate.setup if option else None
     chosen = batch.split(env, config, name, setup and setup.micro_batch)
+    own = batch.config_split(config)[0]
     if env.get("MICRO_BATCH"):
         why = "MICRO_BATCH" + (f"; the plan: {why}" if why else "")
-    elif option:
-        why = (f"the fastest that fits {env['NUM_GPUS_PER_WORKER']} x {gpu_memory_gb():g} GB at MP_SIZE={env['MP_SIZE']} "
-               f"by the plan ({option.estimate.per_gpu / 1e9:.1f} GB per GPU, {option.time.tokens_per_s:.0f} tokens/s "
-               f"predicted), checkpointed layers: {checkpointing(setup)}")
-    else:
-        own = batch.config_split(config)[0]
+    elif not option:
         why = (f"{name}'s" if chosen.micro == own else f"the largest up to {name}'s {own} that divides a rank's "
                f"{chosen.micro * chosen.accumulation}") + (f" ({why})" if why else "")
     return RunPlan(chosen, setup, f"micro-batch {chosen.micro} x accumulation {chosen.accumulation}: {why}")

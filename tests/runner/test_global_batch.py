@@ -99,7 +99,8 @@ def one_step_each(workdir, micro_batches, global_batch):
             plan = finetune_run.run_plan(env)
             options = finetune_run.train_options(
                 env, plan, model=tiny.model_dir, tokenizer=tiny.tokenizer_dir, train=tiny.train_jsonl,
-                valid=tiny.valid_jsonl, save=save, ds_config=finetune_run.run_config(env, "cpu_demo.json", save, plan.batch))
+                valid=tiny.valid_jsonl, save=save,
+                ds_config=finetune_run.run_config(env, "cpu_demo.json", save, plan.batch))
             assert standalone.train(["--kind", "cogvlm", *options]) == 0
             module = getattr(seen["model"], "module", seen["model"])
             results[micro] = (plan.batch, seen["loss"], {n: p.detach().clone() for n, p in module.named_parameters()
