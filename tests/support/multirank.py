@@ -143,6 +143,7 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
     with open(os.path.join(workdir, "env.json"), "w") as f:
         json.dump({k: str(v) for k, v in (env or {}).items()}, f)  # the rank sets these again over torchrun's
     agent_env = base_env({**_patch_env(patches), **(env or {})})
+    fresh = fresh or os.environ.get("SATP_TEST_FRESH") == "1"  # every rank a new interpreter (to compare, to debug)
     port = free_port()
     agents = []
     for node in range(nodes):
