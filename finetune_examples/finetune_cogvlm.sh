@@ -2,10 +2,14 @@
 # Drop-in replacement for CogVLM's finetune_demo/finetune_cogvlm_lora.sh, with sat_patches applied.
 #
 # Settings come from the environment; the defaults are upstream's:
-#   NUM_GPUS_PER_WORKER=8 MP_SIZE=1 NNODES=1 HOST_FILE= MICRO_BATCH= DS_CONFIG=zero2.json
+#   NUM_GPUS_PER_WORKER=8 MP_SIZE=1 NNODES=1 HOST_FILE= GLOBAL_BATCH= MICRO_BATCH= DS_CONFIG=zero2.json
 #   MODEL_TYPE=cogvlm-base-490 MAX_LENGTH=1288 LORA_RANK=10 TRAIN_ITERS=800
-# MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that `sat-patches plan` finds fitting the GPUs, else
-# DS_CONFIG's micro-batch and every layer checkpointed.
+# GLOBAL_BATCH (samples per optimizer step) empty: upstream's, DS_CONFIG's micro-batch x accumulation x
+# data-parallel ranks (a resumed run's own). MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that
+# `sat-patches plan` finds fitting the GPUs, else DS_CONFIG's micro-batch and every layer checkpointed;
+# gradient accumulation makes up the global batch.
+# Several machines: HOST_FILE (DeepSpeed over ssh); or on every node NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+# (torchrun); or srun --ntasks-per-node=1 bash finetune_cogvlm.sh (Slurm's variables).
 # DS_CONFIG: zero2.json, zero2_offload.json, low_memory.json (installed with sat_patches) or a path.
 # QLORA=1: upstream's --use_qlora instead of --use_lora (an NF4 base; needs MP_SIZE=1).
 # RESUME=<run directory under SAVE_DIR> continues that run exactly; RESUME_ITERATION=N from its iteration N.

@@ -94,7 +94,7 @@ def _load_optimizer(engine, args, states: dict) -> bool:
         zero_config.load_from_fp32_weights = True
         try:
             with safe_load.deepspeed_loads_safely(engine):
-                return bool(engine._load_zero_checkpoint(args.load, str(args.iteration), load_optimizer_states=True))
+                return _load_zero_shards(engine, args)
         finally:
             zero_config.load_from_fp32_weights = configured
     saved = states.get("optimizer")
@@ -104,6 +104,30 @@ def _load_optimizer(engine, args, states: dict) -> bool:
         engine.optimizer.load_state_dict(saved, load_optimizer_states=True)
     else:
         engine.optimizer.load_state_dict(saved)
+    return True
+
+
+def _load_zero_shards(engine, args) -> bool:
+    """DeepSpeed's ZeRO load. A checkpoint saved at another number of data-parallel ranks (a run resumed on other
+    nodes, its global batch kept), which DeepSpeed refuses: its elastic shards merged and split again for this
+    run (DeepSpeed's own elastic restore); a checkpoint saved rigid is refused with what to do."""
+    tag, saved, now = str(args.iteration), engine.loaded_checkpoint_dp_world_size, engine.seq_dp_world_size
+    if saved == now:
+        return bool(engine._load_zero_checkpoint(args.load, tag, load_optimizer_states=True))
+    shards = engine._get_all_zero_checkpoints(args.load, tag)
+    if any(isinstance(s.get("base_optimizer_state"), dict) for s in shards) or \
+            not getattr(engine.optimizer, "elastic_checkpoint", False):
+        raise CheckpointError(
+            f"'{args.load}' iteration {tag} was saved by {saved} data-parallel rank(s) and this run has {now}: its "
+            f"ZeRO optimizer shards can be split again only where the saving and this run's DeepSpeed configs both "
+            f"set zero_optimization.elastic_checkpoint (the finetune scripts' copies do): resume with {saved} "
+            f"data-parallel ranks (ranks / MP_SIZE), or set it in both")
+    for shard in shards:  # torch's Adam keeps its step in each parameter's state, where DeepSpeed does not look
+        step = shard["base_optimizer_state"][0].get("step")
+        shard.setdefault("base_optimizer_state_step", int(step) if step is not None else None)
+    engine.optimizer.load_state_dict(state_dict_list=shards, load_optimizer_states=True,
+                                     load_from_fp32_weights=engine.zero_load_from_fp32_weights(),
+                                     param_shapes=engine._get_zero_param_shapes())
     return True
 
 
@@ -133,25 +157,29 @@ def restore_lr_schedule(scheduler, args) -> bool:
 
 
 class ResumableBatchSampler(torch.utils.data.BatchSampler):
-    """A ``BatchSampler`` that skips its first ``start_iter`` batches once, as SAT's
-    ``DistributedBatchSampler`` does (indices only: no sample of a skipped batch is loaded)."""
+    """A ``BatchSampler`` that skips the micro-batches of its first ``start_iter`` iterations (``accumulation``
+    each) once, as SAT's ``DistributedBatchSampler`` does (indices only: no sample of a skipped batch is loaded)."""
 
     start_iter = 0
+    accumulation = 1
 
     def __iter__(self):
-        skip, self.start_iter = self.start_iter, 0
+        skip, self.start_iter = self.start_iter * self.accumulation, 0
         for i, batch in enumerate(super().__iter__()):
             if i >= skip:
                 yield batch
 
 
-def resumable(loader):
-    """``loader`` with a :class:`ResumableBatchSampler` in place of a plain ``BatchSampler``."""
+def resumable(loader, accumulation: int = 1):
+    """``loader`` with a :class:`ResumableBatchSampler` in place of a plain ``BatchSampler`` (``accumulation``
+    micro-batches an iteration)."""
     sampler = loader.batch_sampler
     if type(sampler) is not torch.utils.data.BatchSampler:
         return loader  # SAT's DistributedBatchSampler (reads start_iter itself), or the user's own
+    resuming = ResumableBatchSampler(sampler.sampler, sampler.batch_size, sampler.drop_last)
+    resuming.accumulation = accumulation
     return torch.utils.data.DataLoader(
-        loader.dataset, batch_sampler=ResumableBatchSampler(sampler.sampler, sampler.batch_size, sampler.drop_last),
+        loader.dataset, batch_sampler=resuming,
         num_workers=loader.num_workers, pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None)
 

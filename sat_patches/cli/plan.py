@@ -41,8 +41,8 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     lines.append(f"card: {gpu.name}, {gpu.tflops:g} TFLOP/s bf16 ({how}{hint}): step "
                  f"time predicted from the useful FLOP, recomputed layers and a per-layer cost; the fastest setting "
                  f"that fits is shown per row (checkpointed: the language layers, EVA's the same share)")
-    lines.append(" MP  ZeRO  offload  micro-batch  checkpointed  GB/GPU  host GB/node  stock-SAT host GB/node"
-                 "  step s  tokens/s")
+    lines.append(" MP  ZeRO  offload  micro-batch  accumulation  global batch  checkpointed  GB/GPU  host GB/node"
+                 "  stock-SAT host GB/node  step s  tokens/s")
     groups = {}
     for o in opts:
         s = o.estimate.setup
@@ -61,21 +61,25 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
         e = o.estimate
         verdict = "ok" if o.viable else f"no: {o.reason}"
         lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  "
-                     f"{checkpointing(e.setup):>12}  {_gb(e.per_gpu)}  {_gb(e.host_node):>12}  "
+                     f"{e.setup.accumulation:12d}  {e.setup.global_batch:12d}  {checkpointing(e.setup):>12}  {_gb(e.per_gpu)}  {_gb(e.host_node):>12}  "
                      f"{_gb(e.host_stock_node):>22}  {o.time.seconds:6.2f}  {o.time.tokens_per_s:8.0f}  {verdict}")
     if bf16_fits and qlora_fits:
         q = min(qlora_fits, key=_preference).estimate
         lines.append(f"QLoRA (QLORA=1) fits too: {q.per_gpu / GB:.1f} GB per GPU at MP_SIZE=1, micro-batch "
-                     f"{q.setup.micro_batch} (an NF4 base; --json lists its rows)")
+                     f"{q.setup.micro_batch} x accumulation {q.setup.accumulation} (an NF4 base; --json lists its "
+                     f"rows)")
     if best is None:
-        lines.append("recommendation: nothing fits. Add GPUs (a larger MP_SIZE divides the weights), use cards "
-                     "with more memory, or train fewer parameters (--train lora, a smaller --max-length).")
+        lines.append("recommendation: nothing fits" + ("" if opts else f": no MP size has data-parallel ranks that "
+                                                        f"divide --global-batch {args.global_batch}") +
+                     ". Add GPUs (a larger MP_SIZE divides the weights), use cards with more memory, or train fewer "
+                     "parameters (--train lora, a smaller --max-length).")
         return "\n".join(lines)
     s, e = best.estimate.setup, best.estimate
     env = " ".join(f"{k}={v}" for k, v in script_settings(s).items())
     lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
               f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
-              f" micro-batch {s.micro_batch}, checkpointed layers: {checkpointing(s)}: {e.per_gpu / GB:.1f} GB per GPU, "
+              f" global batch {s.global_batch} = micro-batch {s.micro_batch} x accumulation {s.accumulation} x "
+              f"{s.dp} data-parallel ranks, checkpointed layers: {checkpointing(s)}: {e.per_gpu / GB:.1f} GB per GPU, "
               f"{best.time.seconds:.2f} s per step, {best.time.tokens_per_s:.0f} tokens/s predicted, "
               f"host {e.host_node / GB:.0f} GB per "
               f"node with sat_patches (stock SwissArmyTransformer {VERIFIED_SAT} peaks near "
@@ -96,7 +100,8 @@ def cmd_plan(args) -> int:
         raise SystemExit(f"sat-patches plan: {e}")
     opts = options(config, args.gpus, args.gpu_mem, args.host_mem, nodes=args.nodes, zero=args.zero,
                    offload=None if args.offload is None else args.offload == "cpu", micro_batch=args.micro_batch,
-                   gpu=args.card[0], checkpoint_skip_layers=args.checkpoint_skip_layers, **fields)
+                   gpu=args.card[0], checkpoint_skip_layers=args.checkpoint_skip_layers,
+                   global_batch=args.global_batch, **fields)
     best = recommend(opts)
     if args.json:
         gpu, how = args.card
@@ -113,7 +118,8 @@ def cmd_plan(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="memory per GPU and host for each MP/ZeRO/offload/micro-batch, and a recommendation")
+    p = sub.add_parser("plan", help="memory per GPU and host for each MP/ZeRO/offload/micro-batch x accumulation, "
+                                    "and a recommendation")
     p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)}, or a checkpoint dir / model_config.json")
     p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
@@ -122,7 +128,11 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-rank", type=int, default=10)
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=None, help="only this ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu"], default=None, help="only this optimizer placement")
-    p.add_argument("--micro-batch", type=int, default=None, help="only this micro-batch per GPU")
+    p.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="samples per optimizer step, kept whatever the split (default: upstream's, 4 per "
+                        "data-parallel rank: micro-batch 4, no accumulation)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="only this micro-batch per GPU (gradient accumulation makes up the global batch)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per sample incl. image tokens (upstream --max_length)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")

@@ -9,7 +9,7 @@ from typing import Dict, List
 from ..core.kinds import KINDS
 from ..runner.finetune_run import DEFAULTS, KIND_DEFAULTS
 
-SHARED = ("NUM_GPUS_PER_WORKER", "MP_SIZE", "NNODES", "HOST_FILE", "MICRO_BATCH", "DS_CONFIG")
+SHARED = ("NUM_GPUS_PER_WORKER", "MP_SIZE", "NNODES", "HOST_FILE", "GLOBAL_BATCH", "MICRO_BATCH", "DS_CONFIG")
 
 TEMPLATE = """#!/usr/bin/env bash
 # Drop-in replacement for CogVLM's finetune_demo/finetune_{kind}_lora.sh, with sat_patches applied.
@@ -17,8 +17,12 @@ TEMPLATE = """#!/usr/bin/env bash
 # Settings come from the environment; the defaults are upstream's:
 #   {shared}
 #   {model}
-# MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that `sat-patches plan` finds fitting the GPUs, else
-# DS_CONFIG's micro-batch and every layer checkpointed.
+# GLOBAL_BATCH (samples per optimizer step) empty: upstream's, DS_CONFIG's micro-batch x accumulation x
+# data-parallel ranks (a resumed run's own). MICRO_BATCH, CHECKPOINT_SKIP_LAYERS empty: the fastest that
+# `sat-patches plan` finds fitting the GPUs, else DS_CONFIG's micro-batch and every layer checkpointed;
+# gradient accumulation makes up the global batch.
+# Several machines: HOST_FILE (DeepSpeed over ssh); or on every node NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+# (torchrun); or srun --ntasks-per-node=1 bash finetune_{kind}.sh (Slurm's variables).
 # DS_CONFIG: zero2.json, zero2_offload.json, low_memory.json (installed with sat_patches) or a path.
 # QLORA=1: upstream's --use_qlora instead of --use_lora (an NF4 base; needs MP_SIZE=1).
 # RESUME=<run directory under SAVE_DIR> continues that run exactly; RESUME_ITERATION=N from its iteration N.

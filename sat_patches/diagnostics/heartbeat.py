@@ -7,6 +7,7 @@ finishes marks itself done.
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from typing import Dict, Optional
@@ -48,11 +49,18 @@ class Heartbeat:
         self.store.add(f"{PREFIX}{self.rank}", 1)
 
     def done(self) -> None:
-        self.stop.set()
+        self.close()
         try:
             self.store.set(f"{PREFIX}{self.rank}/done", "1")
         except Exception:  # noqa: BLE001
             pass
+
+    def close(self) -> None:
+        """Stop and join the thread (also at exit: a daemon thread caught inside a store call by the interpreter's
+        teardown aborts the finished rank, 'terminate called without an active exception')."""
+        self.stop.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(self.interval + 1)
 
     def dead(self, silence: Optional[float] = None) -> Optional[str]:
         """Why a peer counts as dead (silent for ``silence`` s, default the timeout), or None; the first answer kept."""
@@ -116,6 +124,7 @@ def start_heartbeat(timeout: Optional[float] = None) -> Optional[Heartbeat]:
     _heartbeat = Heartbeat(group_store(), dist.get_rank(), dist.get_world_size(), timeout)
     _heartbeat.beat()
     _heartbeat.thread.start()
+    atexit.register(_heartbeat.close)
     return _heartbeat
 
 

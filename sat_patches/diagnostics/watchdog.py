@@ -6,6 +6,7 @@ and the timeouts are the process groups' own.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import os
@@ -254,6 +255,18 @@ class Watchdog:
         return bool(ready) and signal.SIGTERM in self.wakeup.recv(64)
 
     # -- the thread ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """(at exit) Stop and join the thread before the interpreter's teardown: a daemon thread caught there inside
+        a store call aborts the finished rank ('terminate called without an active exception')."""
+        self.stop.set()
+        if self.wakeup is not None:
+            try:
+                self._writer.send(b"\0")  # out of its select at once (not a SIGTERM: ignored)
+            except OSError:
+                pass
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(2 * self.poll + 1)
+
     def _run(self) -> None:
         while not self.stop.is_set():
             if self._wait():
@@ -302,6 +315,7 @@ def start_watchdog(timeout: Optional[float] = None) -> Watchdog:
         _watchdog = Watchdog(seconds, poll=min(1.0, max(0.1, seconds / 10)))
         _watchdog.catch_sigterm()
         _watchdog.thread.start()
+        atexit.register(_watchdog.close)  # runs before the process group's destruction (registered earlier)
     else:
         _watchdog.timeout = seconds
     return _watchdog

@@ -60,11 +60,12 @@ def _get_learning_rate_scheduler(original):
 
 
 def _make_data_loader(original):
-    """``start_iter`` (``--resume-dataloader``) is ignored with one data-parallel rank: plain BatchSampler."""
+    """``start_iter`` (``--resume-dataloader``) is ignored with one data-parallel rank: plain BatchSampler. Its
+    replacement skips ``start_iter`` iterations of ``gradient_accumulation_steps`` micro-batches each."""
     @functools.wraps(original)
     def make_data_loader(dataset, batch_size, args, split, collate_fn=None):
         loader = original(dataset, batch_size, args, split, collate_fn=collate_fn)
-        return resumable(loader) if split == "train" else loader
+        return resumable(loader, getattr(args, "gradient_accumulation_steps", None) or 1) if split == "train" else loader
     return make_data_loader
 
 

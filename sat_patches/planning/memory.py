@@ -35,6 +35,7 @@ class Setup:
     zero: int = 2
     offload: bool = False
     micro_batch: int = 1
+    accumulation: int = 1           # gradient_accumulation_steps: micro-batches per optimizer step
     dtype: str = "bf16"             # bf16 | fp16 | fp32
     seq_len: int = 1288
     lora_rank: int = 10
@@ -50,6 +51,11 @@ class Setup:
     @property
     def dp(self) -> int:
         return max(1, self.gpus * self.nodes // self.mp)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: micro-batch x accumulation x data-parallel ranks."""
+        return self.micro_batch * self.accumulation * self.dp
 
     @property
     def weight_bytes(self) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 from typing import Dict, List
 
 from .memory import Setup
+from .search import UPSTREAM_RANK_BATCH
 
 
 def deepspeed_config(s: Setup) -> dict:
     """A DeepSpeed config realising ``s`` in upstream's style (finetune_demo/test_config_bf16.json),
     with ``offload_optimizer`` inside ``zero_optimization`` where DeepSpeed reads it."""
-    config = {"train_micro_batch_size_per_gpu": s.micro_batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.1}
+    config = {"train_batch_size": s.global_batch, "train_micro_batch_size_per_gpu": s.micro_batch,
+              "gradient_accumulation_steps": s.accumulation, "gradient_clipping": 0.1}
     if s.zero:
         zero = {"stage": s.zero, "contiguous_gradients": False, "overlap_comm": True, "reduce_scatter": True,
                 "reduce_bucket_size": s.reduce_bucket, "allgather_bucket_size": s.allgather_bucket,
@@ -38,6 +39,8 @@ def checkpoint_options(s: Setup) -> List[str]:
 def script_settings(s: Setup) -> Dict[str, str]:
     """Environment of upstream's finetune_*_lora.sh that realises ``s``."""
     settings = {"NUM_GPUS_PER_WORKER": str(s.gpus), "MP_SIZE": str(s.mp), "LOCAL_WORLD_SIZE": str(s.gpus)}
+    if s.global_batch != UPSTREAM_RANK_BATCH * s.dp:  # the scripts' default is upstream's
+        settings["GLOBAL_BATCH"] = str(s.global_batch)
     if s.qlora:
         settings["QLORA"] = "1"
     if not s.checkpoint_activations:

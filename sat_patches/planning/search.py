@@ -1,10 +1,11 @@
-"""Choosing a run's settings: every (model-parallel size, ZeRO stage, offload, micro-batch, checkpointing)
-combination for a box, each with its memory, verdict and predicted step, and the one to recommend."""
+"""Choosing a run's settings: every (model-parallel size, ZeRO stage, offload, micro-batch x accumulation,
+checkpointing) combination for a box and a global batch, each with its memory, verdict and predicted step, and the
+one to recommend. The global batch is the run's, never the plan's: only how it is split into micro-batches varies."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .memory import GB, Estimate, Setup, estimate
 from .shapes import heads
@@ -12,6 +13,9 @@ from .timing import Card, StepTime, card, step_time
 
 GPU_MARGIN = 0.05              # keep this fraction of the card free
 HOST_MARGIN = 0.10
+# samples per data-parallel rank and step without a global batch: upstream's finetune_demo/test_config_bf16.json
+# (micro-batch 4, no accumulation)
+UPSTREAM_RANK_BATCH = 4
 
 
 @dataclass
@@ -43,42 +47,61 @@ def _checkpointing(config: dict, setup: Setup, fits) -> List[Setup]:
     return [skipping(k) for k in sorted({0, low})] + [replace(setup, checkpoint_activations=False)]
 
 
+def batch_splits(per_rank: int, micro_batch: Optional[int] = None) -> List[Tuple[int, int]]:
+    """The (micro-batch, accumulation) pairs whose product is ``per_rank`` (only ``micro_batch``'s, where given)."""
+    return [(m, per_rank // m) for m in range(1, per_rank + 1) if per_rank % m == 0 and micro_batch in (None, m)]
+
+
 def options(config: dict, gpus: int, gpu_mem_gb: float, host_mem_gb: Optional[float] = None, nodes: int = 1,
             zero: Optional[int] = None, offload: Optional[bool] = None, micro_batch: Optional[int] = None,
             gpu: Optional[Card] = None, checkpoint_skip_layers: Optional[int] = None,
-            **setup_fields) -> List[Option]:
-    """Every (MP, ZeRO, offload, micro-batch, checkpointing) combination, each with its estimate, verdict and
-    predicted step on ``gpu`` (default: the card assumed from ``gpu_mem_gb``)."""
+            global_batch: Optional[int] = None, **setup_fields) -> List[Option]:
+    """Every (MP, ZeRO, offload, micro-batch x accumulation, checkpointing) combination training ``global_batch``
+    samples a step (default: :data:`UPSTREAM_RANK_BATCH` per data-parallel rank; an MP size whose data-parallel
+    ranks do not divide it has none), each with its estimate, verdict and predicted step on ``gpu`` (default: the
+    card assumed from ``gpu_mem_gb``)."""
     gpu = gpu or card(memory_gb=gpu_mem_gb)[0]
     gpu_bytes = gpu_mem_gb * GB * (1 - GPU_MARGIN)
     mps = model_parallel_sizes(config, gpus * nodes)
     zeros = [zero] if zero is not None else [0, 1, 2]
     offloads = [offload] if offload is not None else [False, True]
-    batches = [micro_batch] if micro_batch else [1, 2, 4, 8]
     qloras = [setup_fields.pop("qlora")] if "qlora" in setup_fields else [False, True]
     if setup_fields.get("train", "lora") != "lora":
         qloras = [q for q in qloras if not q]  # QLoRA trains the adapters only
     out = []
-    for mp, z, off, mb, q in itertools.product(mps, zeros, offloads, batches, qloras):
+    for mp, z, off, q in itertools.product(mps, zeros, offloads, qloras):
         if off and z == 0:
             continue  # DeepSpeed offloads the optimizer only under ZeRO
         if q and mp > 1:
             continue  # an NF4 base has no model-parallel forward
-        base = Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb, qlora=q, **setup_fields)
-        if not base.checkpoint_activations:
-            setups = [base]
-        elif checkpoint_skip_layers is not None:
-            setups = [replace(base, checkpoint_skip_layers=checkpoint_skip_layers)]
-        else:
-            setups = _checkpointing(config, base, lambda s: estimate(config, s).per_gpu <= gpu_bytes)
-        for setup in setups:
-            est = estimate(config, setup)
-            fits_gpu = est.per_gpu <= gpu_bytes
-            fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
-            reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
-            if not fits_host:
-                reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
-            out.append(Option(est, fits_gpu, fits_host, reason, step_time(config, setup, gpu.tflops)))
+        dp = gpus * nodes // mp
+        if global_batch and global_batch % dp:
+            continue  # its data-parallel ranks cannot share the global batch evenly
+        for mb, acc in batch_splits(global_batch // dp if global_batch else UPSTREAM_RANK_BATCH, micro_batch):
+            out += _options(config, Setup(gpus=gpus, nodes=nodes, mp=mp, zero=z, offload=off, micro_batch=mb,
+                                          accumulation=acc, qlora=q, **setup_fields),
+                            gpu, gpu_bytes, host_mem_gb, checkpoint_skip_layers)
+    return out
+
+
+def _options(config: dict, base: Setup, gpu: Card, gpu_bytes: float, host_mem_gb: Optional[float],
+             checkpoint_skip_layers: Optional[int]) -> List[Option]:
+    """``base`` at each checkpointing worth timing (only ``checkpoint_skip_layers``, where given)."""
+    out = []
+    if not base.checkpoint_activations:
+        setups = [base]
+    elif checkpoint_skip_layers is not None:
+        setups = [replace(base, checkpoint_skip_layers=checkpoint_skip_layers)]
+    else:
+        setups = _checkpointing(config, base, lambda s: estimate(config, s).per_gpu <= gpu_bytes)
+    for setup in setups:
+        est = estimate(config, setup)
+        fits_gpu = est.per_gpu <= gpu_bytes
+        fits_host = host_mem_gb is None or est.host_node <= host_mem_gb * GB * (1 - HOST_MARGIN)
+        reason = "" if fits_gpu else f"needs {est.per_gpu / GB:.1f} GB per GPU"
+        if not fits_host:
+            reason = (reason + "; " if reason else "") + f"needs {est.host_node / GB:.0f} GB host memory"
+        out.append(Option(est, fits_gpu, fits_host, reason, step_time(config, setup, gpu.tflops)))
     return out
 
 

@@ -130,7 +130,8 @@ class StepTime:
 
 
 def step_time(c: dict, s, tflops: float) -> StepTime:
-    """Predicted step of setup ``s`` (:class:`sat_patches.planning.memory.Setup`) on a card of ``tflops``."""
+    """Predicted step of setup ``s`` (:class:`sat_patches.planning.memory.Setup`) on a card of ``tflops``: its
+    ``accumulation`` micro-batches, one after the other (the optimizer's own time is not modelled)."""
     p = forward_passes(c, s.seq_len)
     eva_back = eva_trains(c, s)
     encoder_back = s.train == "demo"
@@ -143,5 +144,5 @@ def step_time(c: dict, s, tflops: float) -> StepTime:
     useful, recomputed = scale * (forward + backward), scale * recomputed
     passes = (2 * p.language_layers + p.eva_layers * (2 if eva_back else 1)
               + p.encoder_layers * (2 if encoder_back else 1) + lang_ckpt + (eva_ckpt if eva_back else 0))
-    seconds = (useful + recomputed) / (EFFICIENCY * tflops * 1e12) + LAYER_PASS_SECONDS * passes
-    return StepTime(seconds, s.dp * s.micro_batch * s.seq_len / seconds, useful, recomputed)
+    seconds = s.accumulation * ((useful + recomputed) / (EFFICIENCY * tflops * 1e12) + LAYER_PASS_SECONDS * passes)
+    return StepTime(seconds, s.global_batch * s.seq_len / seconds, s.accumulation * useful, s.accumulation * recomputed)

@@ -15,6 +15,7 @@ from ..core import settings
 from ..core.kinds import NAMES
 from ..cogvlm.shapes import RELEASED, upstream_config
 from ..data.jsonl import check_data_path
+from . import batch, cluster
 
 
 def _int(env: dict, name: str, default: Optional[int], errors: List[str], minimum: int = 1) -> Optional[int]:
@@ -133,6 +134,17 @@ def _gpus_per_rank_errors(env: dict, per_node: int, visible: Optional[int]) -> L
     return []
 
 
+def batch_errors(env: dict) -> List[str]:
+    """The global batch against the data-parallel ranks (:mod:`.batch`), from the config the run starts from."""
+    name = batch.config_name(env)
+    try:
+        with open(config_path(name)) as f:
+            config = json.load(f)
+    except ValueError:
+        return []  # named by the DeepSpeed config's own check, in the ranks
+    return batch.errors(env, config if isinstance(config, dict) else {}, name)
+
+
 def check(env: dict) -> List[str]:
     errors: List[str] = []
     cpu = env.get("CPU_RANKS") not in (None, "", "0")
@@ -145,16 +157,19 @@ def check(env: dict) -> List[str]:
             return errors + [no_gpu_message(env, per_node, visible)]
     mp = _int(env, "MP_SIZE", 1, errors)
     nnodes = _int(env, "NNODES", 1, errors)
-    _int(env, "MICRO_BATCH", None, errors)
+    sizes_ok = None not in (_int(env, "MICRO_BATCH", 0, errors), _int(env, "GLOBAL_BATCH", 0, errors))
     _int(env, "CHECKPOINT_SKIP_LAYERS", None, errors, minimum=0)
     if None in (per_node, mp, nnodes):
         return errors
     world = per_node * nnodes
     unit = "CPU_RANKS" if cpu else "NUM_GPUS_PER_WORKER"
+    errors += cluster.slurm_errors(env) + cluster.node_errors(env, nnodes, per_node, mp, unit)
     if world % mp:
         fits = [d for d in range(1, world + 1) if world % d == 0]
         errors.append(f"MP_SIZE={mp} does not divide the world size {world} ({unit}={per_node} x NNODES={nnodes}): "
                       f"set MP_SIZE to one of {fits}, or change {unit}.")
+    elif sizes_ok and config_path(batch.config_name(env)):
+        errors += batch_errors(env)
     heads = model_heads(env)
     if heads and heads % mp:
         fits = [d for d in range(1, heads + 1) if heads % d == 0 and d <= max(world, 1)]

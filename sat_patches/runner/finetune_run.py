@@ -18,16 +18,16 @@ Four modes, chosen in this order:
 On CPU ranks (both CPU modes) the user's ``TRAIN_DATA`` / ``VALID_DATA`` are used when given (checked
 before launch, as on GPUs), and ``TRAIN_ITERS``; each setting a CPU run cannot honour is named, with why.
 
-``DRY_RUN=1`` prints the commands instead of running them.
+Every mode trains the global batch the user set (``GLOBAL_BATCH``, default upstream's: :mod:`.batch`), split by
+``MICRO_BATCH`` or the plan (:mod:`.sizing`); on several nodes DeepSpeed's hostfile, or the script on each node
+under torchrun or Slurm, starts the ranks (:mod:`.cluster`). ``DRY_RUN=1`` prints the commands instead of running
+them.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
-import shutil
-import subprocess
 import sys
 from typing import Dict, List, Optional
 
@@ -35,10 +35,11 @@ from ..cogvlm.config import tiny_config
 from ..cogvlm.scores import read_summary, summary_line
 from ..core.kinds import KINDS
 from ..core.ports import free_port
-from ..planning import realise, search, shapes
+from ..planning import realise
 from ..planning.memory import Setup
-from . import steps
-from .finetune_check import check, config_path, data_errors, visible_gpus
+from . import batch, cluster, steps
+from .finetune_check import check, config_path, data_errors, visible_gpus  # noqa: F401  (config_path: for callers)
+from .sizing import PlanError, RunPlan, run_config, run_plan
 
 # upstream's finetune_demo/finetune_cog{vlm,agent}_lora.sh values (NUM_GPUS_PER_WORKER=8 there too)
 DEFAULTS = {
@@ -46,7 +47,9 @@ DEFAULTS = {
     "TOKENIZER": "lmsys/vicuna-7b-v1.5", "TRAIN_DATA": "./archive_split/train", "VALID_DATA": "./archive_split/valid",
     "SAVE_DIR": "./checkpoints", "SAVE_INTERVAL": "200", "EVAL_INTERVAL": "200", "LOG_INTERVAL": "50",
     "SEED": "2023", "DS_CONFIG": "zero2.json", "LAYER_RANGE": "", "CHECKPOINT_ACTIVATIONS": "1",
-    "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's
+    "GLOBAL_BATCH": "",  # samples per optimizer step; empty: upstream's (DS_CONFIG's micro-batch x accumulation x
+                         # data-parallel ranks), a resumed run's own
+    "MICRO_BATCH": "",  # empty: the plan's choice for the detected GPUs, else DS_CONFIG's; accumulation follows
     "CHECKPOINT_SKIP_LAYERS": "",  # the last N language layers not checkpointed; empty: the plan's choice, else 0
     "TRAINABLE": "",    # lora (adapters only) or demo (what the demo trains); empty: demo in a checkout, else lora
     "QLORA": "0",       # 1: upstream's --use_qlora (an NF4 base, MP_SIZE=1) instead of --use_lora
@@ -66,7 +69,8 @@ CPU_DEFAULTS = {"CPU_RANKS": "2", "MP_SIZE": "2", "TRAIN_ITERS": "50", "MAX_LENG
                 "EVALUATE": "1", "TRAIN_DATA": "", "VALID_DATA": "",  # empty: the generated demo data; else the user's
                 "DEMO_TRAIN_SAMPLES": "96", "DEMO_VALID_SAMPLES": "16",
                 "SAVE_INTERVAL": "50", "EVAL_INTERVAL": "100000", "LOG_INTERVAL": "5",
-                "CHECKPOINT_ACTIVATIONS": "0"}
+                "CHECKPOINT_ACTIVATIONS": "0",
+                "MERGE": "1"}  # 0: no merge, reload check and export after training
 # a CogVLM checkout's demo on CPU ranks: a few steps are enough to train, save and merge
 CHECKOUT_CPU_DEFAULTS = {**CPU_DEFAULTS, "TRAIN_ITERS": "4", "SAVE_INTERVAL": "20", "LOG_INTERVAL": "1",
                          "EVALUATE": "0"}
@@ -84,6 +88,7 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     elif run_mode == "checkout-cpu":
         env.update(CHECKOUT_CPU_DEFAULTS, MODEL_TYPE=f"tiny-{kind}",
                    WORK_DIR=os.path.abspath(f"sat_patches_demo/checkout-{kind}"))
+    env.update(cluster.node_settings(environ))  # Slurm's variables, the hostfile's nodes: under the user's own
     env.update({k: v for k, v in environ.items() if v != "" or k not in env})
     if run_mode in ("cpu", "checkout-cpu"):  # the user's data, from where they gave it (the checkout run changes folder)
         env.update({k: os.path.abspath(env[k]) for k in ("TRAIN_DATA", "VALID_DATA") if env.get(k)})
@@ -99,61 +104,6 @@ def settings(environ: Dict[str, str]) -> Dict[str, str]:
     return env
 
 
-def gpu_memory_gb() -> Optional[float]:
-    """Memory of this node's smallest GPU (nvidia-smi), None where it cannot be read."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True)
-    sizes = [float(x) for x in out.stdout.split() if x.replace(".", "", 1).isdigit()]
-    return min(sizes) / 1024 if out.returncode == 0 and sizes else None
-
-
-def read_config(name: str) -> dict:
-    with open(config_path(name)) as f:
-        return json.load(f)
-
-
-def planned(env: Dict[str, str], config: dict) -> Optional[Setup]:
-    """The setting ``sat-patches plan`` recommends for this run on the detected GPUs, at its ``MP_SIZE``, ZeRO
-    stage and offload; None where the plan cannot tell."""
-    memory = gpu_memory_gb()
-    if memory is None:
-        return None
-    try:
-        model = shapes.resolve_model(env["MODEL_TYPE"])
-    except SystemExit:  # a model the plan does not know: the config's micro-batch, every layer checkpointed
-        return None
-    zero = config.get("zero_optimization", {})
-    given = {k: int(env[k]) for k in ("MICRO_BATCH", "CHECKPOINT_SKIP_LAYERS") if env.get(k)}
-    opts = search.options(model, int(env["NUM_GPUS_PER_WORKER"]), memory, nodes=int(env["NNODES"]),
-                        zero=zero.get("stage", 0), offload="offload_optimizer" in zero,
-                        micro_batch=given.get("MICRO_BATCH"), checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"),
-                        seq_len=int(env["MAX_LENGTH"]), lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
-                        qlora=env.get("QLORA") == "1", checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
-    best = search.recommend([o for o in opts if o.estimate.setup.mp == int(env["MP_SIZE"])])
-    return best.estimate.setup if best else None
-
-
-def run_config(env: Dict[str, str], name: str, save_dir: str, choice: Optional[Setup] = None) -> str:
-    """The DeepSpeed config the run uses: SAT takes the micro-batch from it, so ``MICRO_BATCH`` (default: the
-    plan's ``choice``) goes into a copy saved beside the run's checkpoints."""
-    source = config_path(name)
-    config = read_config(name)
-    micro = int(env["MICRO_BATCH"]) if env.get("MICRO_BATCH") else choice and choice.micro_batch
-    if micro is None or micro == config.get("train_micro_batch_size_per_gpu"):
-        return source
-    config["train_micro_batch_size_per_gpu"] = micro
-    config.pop("train_batch_size", None)  # DeepSpeed derives it from the micro-batch and the world size
-    stem = os.path.splitext(os.path.basename(source))[0]
-    path = os.path.abspath(os.path.join(save_dir, f"{stem}.micro_batch{micro}.json"))
-    os.makedirs(save_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(path + ".tmp", path)
-    return path
-
-
 def mode(env: Dict[str, str]) -> str:
     cpu_ranks, demo = env.get("CPU_RANKS") not in (None, "", "0"), KINDS[env["MODEL_KIND"]].upstream_demo
     if env.get("SCRIPT_DIR") and os.path.isfile(os.path.join(env["SCRIPT_DIR"], demo)):
@@ -166,9 +116,11 @@ def evaluation_dir(save_dir: str, before: bool = False) -> str:
     return os.path.join(save_dir, "evaluation_before_training" if before else "evaluation")
 
 
-def train_options(env: Dict[str, str], **paths) -> List[str]:
-    """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in."""
-    choice = None if paths.get("ds_config") else planned(env, read_config(env["DS_CONFIG"]))
+def train_options(env: Dict[str, str], plan: Optional[RunPlan] = None, **paths) -> List[str]:
+    """Upstream's ``gpt_options`` and ``MODEL_ARGS``, with the scripts' settings filled in (``plan``: the run's
+    global batch and checkpointing, default :func:`run_plan`'s; a ``ds_config`` path given is used as it is)."""
+    plan = plan or (None if paths.get("ds_config") else run_plan(env))
+    save = paths.get("save", env["SAVE_DIR"])
     opts = [
         "--experiment-name", f"finetune-{os.path.basename(env['MODEL_TYPE'].rstrip('/'))}",
         "--model-parallel-size", env["MP_SIZE"], "--mode", "finetune", "--train-iters", env["TRAIN_ITERS"],
@@ -179,89 +131,102 @@ def train_options(env: Dict[str, str], **paths) -> List[str]:
         "--train-data", paths.get("train", env["TRAIN_DATA"]), "--valid-data", paths.get("valid", env["VALID_DATA"]),
         "--distributed-backend", "nccl", "--lr-decay-style", "cosine", "--warmup", ".02",
         "--save-interval", env["SAVE_INTERVAL"], "--eval-interval", env["EVAL_INTERVAL"],
-        "--save", paths.get("save", env["SAVE_DIR"]), "--eval-iters", "10", "--eval-batch-size", "1",
+        "--save", save, "--eval-iters", "10", "--eval-batch-size", "1",
         "--split", "1.", "--deepspeed_config",
-        paths.get("ds_config") or run_config(env, env["DS_CONFIG"], paths.get("save", env["SAVE_DIR"]), choice),
+        paths.get("ds_config") or run_config(env, batch.config_name(env), save, plan.batch),
         "--seed", env["SEED"], "--log-interval", env["LOG_INTERVAL"],
     ]
     if env.get("RESUME"):  # continue that run (from RESUME_ITERATION where given, else 'latest')
         iteration = env.get("RESUME_ITERATION", "")
         opts += ["--mode", "pretrain", "--load", env["RESUME"]] + (["--iteration", iteration] if iteration else [])
     if env.get("EVALUATE") == "1":  # the trained model answers every validation sample (sat_patches evaluate)
-        opts += ["--evaluate", evaluation_dir(paths.get("save", env["SAVE_DIR"]))]
+        opts += ["--evaluate", evaluation_dir(save)]
     if env.get("LAYER_RANGE"):
         opts += ["--layer_range", *env["LAYER_RANGE"].split()]
     if env.get("CHECKPOINT_ACTIVATIONS", "1") == "1":  # all but the last CHECKPOINT_SKIP_LAYERS, else the plan's
         skip = env.get("CHECKPOINT_SKIP_LAYERS")  # choice, else every layer
+        choice = plan and plan.setup
         opts += realise.checkpoint_options(Setup(checkpoint_skip_layers=int(skip)) if skip else choice or Setup())
     return opts + shlex.split(env.get("EXTRA_ARGS", ""))
 
 
-def gpu_commands(env: Dict[str, str], kind: str, checkout: bool) -> List[List[str]]:
+def gpu_commands(env: Dict[str, str], kind: str, checkout: bool, plan: Optional[RunPlan] = None) -> List[List[str]]:
+    """DeepSpeed's launcher (over the hostfile's nodes, or this node), or torchrun on this node of ``NNODES``."""
     if checkout:
         program = [os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo)]
     else:
         program = ["-m", "sat_patches", "finetune", "train", "--kind", kind]
-    hosts = ["--hostfile", env["HOST_FILE"]] if env.get("HOST_FILE") else ["--num_gpus", env["NUM_GPUS_PER_WORKER"]]
-    return [["deepspeed", "--master_port", env["MASTER_PORT"], *hosts, "--module", "sat_patches.launch", *program,
-             *train_options(env)]]
+    program += train_options(env, plan)
+    if cluster.multi_node(env) and not env.get("HOST_FILE"):
+        return [[*cluster.torchrun(env, env["NUM_GPUS_PER_WORKER"]), "-m", "sat_patches.launch", *program]]
+    hosts = ["--hostfile", env["HOST_FILE"], "--num_nodes", env["NNODES"]] if env.get("HOST_FILE") else []
+    return [["deepspeed", "--master_port", env["MASTER_PORT"], *hosts, "--num_gpus", env["NUM_GPUS_PER_WORKER"],
+             "--module", "sat_patches.launch", *program]]
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
+def cpu_commands(env: Dict[str, str], kind: str, plan: Optional[RunPlan] = None) -> List[List[str]]:
+    """Prepare (unless resumed), train, then merge, check and export (``MERGE=0``: not those three); on a node
+    other than the first of ``NNODES``, only train."""
     work = env["WORK_DIR"]
     py = sys.executable
+    save = os.path.join(work, "checkpoints")
     # the generated demo data (GENERATED_DATA["cpu"]) unless the user gave theirs
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train.jsonl"),
                  valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid.jsonl"),
-                 save=os.path.join(work, "checkpoints"), ds_config=config_path("cpu_demo.json"))
+                 save=save, ds_config=run_config(env, "cpu_demo.json", save, (plan or run_plan(env)).batch))
     options = train_options(env, **paths) + ["--probe", os.path.join(work, "probe.pt")]
     if env.get("EVALUATE") == "1":  # the untrained model first: the baseline the trained one is measured against
         options += ["--evaluate-before", evaluation_dir(paths["save"], before=True)]
         if not env.get("VALID_DATA"):  # the demo's answers are one word: 4 tokens show a wrong one without
             options += ["--evaluate-max-new-tokens", "4"]  # decoding 16 tokens of noise per sample
-    return [
-        [py, "-m", "sat_patches", "finetune", "prepare", "--kind", kind, "--workdir", work, "--task", GENERATED_DATA["cpu"],
-         "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]],
-        [*TORCHRUN, "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
-         "-m", "sat_patches.launch", "-m", "sat_patches", "finetune", "train", "--kind", kind, *options],
+    train = [*cluster.torchrun(env, env["CPU_RANKS"]), "-m", "sat_patches.launch", "-m", "sat_patches", "finetune",
+             "train", "--kind", kind, *options]
+    if not cluster.first_node(env):
+        return [train]
+    prepare = [py, "-m", "sat_patches", "finetune", "prepare", "--kind", kind, "--workdir", work, "--task",
+               GENERATED_DATA["cpu"], "--n-train", env["DEMO_TRAIN_SAMPLES"], "--n-valid", env["DEMO_VALID_SAMPLES"]]
+    after = [
         [py, "-m", "sat_patches", "merge", steps.latest_run_under(paths["save"]), os.path.join(work, "merged")],
         [py, "-m", "sat_patches", "finetune", "verify", "--kind", kind, "--probe", os.path.join(work, "probe.pt"),
          "--merged", os.path.join(work, "merged"), "--local_tokenizer", paths["tokenizer"],
          "--max_length", env["MAX_LENGTH"], "--version", env["VERSION"]],
         # last, the merged model in the Hugging Face layout (what transformers, PEFT and serving engines read)
         [py, "-m", "sat_patches", "export", "hf", os.path.join(work, "merged"), os.path.join(work, "hf")],
-    ]
+    ] if env.get("MERGE", "1") == "1" else []
+    return ([] if prepared_for_resume(env, "cpu") else [prepare]) + [train] + after
 
 
-def prepared_for_resume(env: Dict[str, str]) -> bool:
-    """A resumed checkout CPU run whose ``WORK_DIR`` holds the model, tokenizer and data it was prepared with."""
+# what a CPU run's prepare step writes into WORK_DIR beside the model: the tokenizer and the data
+PREPARED = {"cpu": ("tokenizer", "data/train.jsonl", "data/valid.jsonl"),
+            "checkout-cpu": ("tokenizer", "data/train", "data/valid")}
+
+
+def prepared_for_resume(env: Dict[str, str], run_mode: str = "checkout-cpu") -> bool:
+    """A resumed CPU run whose ``WORK_DIR`` holds the model, tokenizer and data it was prepared with."""
     work = env["WORK_DIR"]
     return bool(env.get("RESUME")) and os.path.isfile(os.path.join(work, "model", "latest")) and all(
-        os.path.isdir(os.path.join(work, *d)) for d in (("tokenizer",), ("data", "train"), ("data", "valid")))
+        os.path.exists(os.path.join(work, p)) for p in PREPARED[run_mode])
 
 
-def checkout_cpu_commands(env: Dict[str, str], kind: str) -> List[List[str]]:
-    """Prepare (unless resumed), train with the checkout's demo on CPU ranks, then check the shards and merge."""
+def checkout_cpu_commands(env: Dict[str, str], kind: str, plan: Optional[RunPlan] = None) -> List[List[str]]:
+    """Prepare (unless resumed), train with the checkout's demo on CPU ranks, then check the shards and merge (on a
+    node other than the first of ``NNODES``: only train)."""
     work, py = env["WORK_DIR"], sys.executable
     checkout = os.path.dirname(os.path.abspath(env["SCRIPT_DIR"]))
     save = os.path.join(work, "checkpoints")
     paths = dict(model=os.path.join(work, "model"), tokenizer=os.path.join(work, "tokenizer"),
                  train=env.get("TRAIN_DATA") or os.path.join(work, "data", "train"),
                  valid=env.get("VALID_DATA") or os.path.join(work, "data", "valid"), save=save,
-                 ds_config=run_config(env, "cpu_demo.json", save))
+                 ds_config=run_config(env, "cpu_demo.json", save, (plan or run_plan(env)).batch))
     where = ["--checkout", checkout, "--kind", kind, "--workdir", work]
+    train = [*cluster.torchrun(env, env["CPU_RANKS"]), "-m", "sat_patches.launch",
+             os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo), *train_options(env, **paths)]
+    if not cluster.first_node(env):
+        return [train]
     prepare = [] if prepared_for_resume(env) else [[py, "-m", "sat_patches.runner.checkout_cpu", "prepare", *where]]
-    return prepare + [
-        [*TORCHRUN, "--nproc-per-node", env["CPU_RANKS"], "--master-port", env["MASTER_PORT"],
-         "-m", "sat_patches.launch", os.path.join(env["SCRIPT_DIR"], KINDS[kind].upstream_demo),
-         *train_options(env, **paths)],
-        [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
-         "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]],
-    ]
+    return prepare + [train, [py, "-m", "sat_patches.runner.checkout_cpu", "verify", *where, "--mp", env["MP_SIZE"],
+                              "--version", env["VERSION"], "--max_length", env["MAX_LENGTH"]]]
 
 
 # settings a CPU run cannot honour, and why (said when the user set them)
@@ -271,9 +236,8 @@ NOT_ON_CPU = {
     "TOKENIZER": "a small local tokenizer is generated (no model hub is reached)",
     "DS_CONFIG": "configs/cpu_demo.json is used (GPU optimizers and offloading do not run on CPU ranks)",
     "NUM_GPUS_PER_WORKER": "CPU_RANKS sets how many ranks run",
-    "HOST_FILE": "CPU ranks run on this node only",
+    "HOST_FILE": "torchrun starts the CPU ranks of each node (NNODES, NODE_RANK, MASTER_ADDR), not ssh",
     "CHECKPOINT_ACTIVATIONS": "off for the tiny model (nothing to save)",
-    "MICRO_BATCH": "the CPU config's micro-batch is used",
     "CHECKPOINT_SKIP_LAYERS": "off for the tiny model (nothing to save)",
 }
 
@@ -325,33 +289,45 @@ def main(argv=None) -> int:
     env = settings(dict(os.environ))
     kind, run_mode = env["MODEL_KIND"], mode(env)
     on_cpu = run_mode in ("cpu", "checkout-cpu")
-    env.setdefault("MASTER_PORT", "16666" if not on_cpu else str(free_port()))
+    # every node must use the same port: upstream's (deepspeed --master_port 16666), a free one for CPU ranks alone
+    env.setdefault("MASTER_PORT", str(free_port()) if on_cpu and not cluster.multi_node(env) else "16666")
     errors = check(env)
     if on_cpu:  # the user's TRAIN_DATA / VALID_DATA, when given (else GENERATED_DATA)
         errors += data_errors(env) + cpu_data_errors(env, kind, run_mode)
     elif env.get("DRY_RUN") != "1":  # a dry run only prints
         errors += data_errors(env)
+    try:
+        plan = None if errors else run_plan(env)
+    except PlanError as exc:
+        errors.append(str(exc))
     if errors:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)
         return 2
     cwd = None
     if run_mode == "cpu":
-        commands = cpu_commands(env, kind)
+        commands = cpu_commands(env, kind, plan)
     elif run_mode == "checkout-cpu":
         # the demo saves its merged model under ./checkpoints/: run it in the work directory
         cwd = env["WORK_DIR"]
         if env.get("DRY_RUN") != "1":
             os.makedirs(cwd, exist_ok=True)
-        commands = checkout_cpu_commands(env, kind)
+        commands = checkout_cpu_commands(env, kind, plan)
     else:
-        commands = gpu_commands(env, kind, run_mode == "checkout")
+        commands = gpu_commands(env, kind, run_mode == "checkout", plan)
+    # the launcher takes the rendezvous as arguments and sets it for its ranks: a step of one process (prepare,
+    # merge) that read it would host its own store on that port, where another node's launcher could connect
+    run_env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     if on_cpu:  # torchrun sets LOCAL_WORLD_SIZE; CPU ranks even where GPUs are visible
-        run_env = dict({k: v for k, v in env.items() if k != "LOCAL_WORLD_SIZE"}, CUDA_VISIBLE_DEVICES="")
+        run_env = dict({k: v for k, v in run_env.items() if k != "LOCAL_WORLD_SIZE"}, CUDA_VISIBLE_DEVICES="")
     else:  # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher
-        run_env = dict(env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+        run_env = dict(run_env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
+    print(plan.batch.line(), flush=True)
+    print(plan.why, flush=True)
+    if cluster.multi_node(env) and (on_cpu or not env.get("HOST_FILE")):
+        print(cluster.node_line(env), flush=True)
     if on_cpu:
         for line in cpu_notes(env, dict(os.environ), run_mode):
             print(f"note: {line}", flush=True)
@@ -362,7 +338,7 @@ def main(argv=None) -> int:
         return code
     if env.get("EVALUATE") == "1" and env.get("DRY_RUN") != "1":  # the run's result, last
         print_evaluations(os.path.join(env["WORK_DIR"], "checkpoints") if run_mode == "cpu" else env["SAVE_DIR"])
-    if run_mode == "cpu" and env.get("DRY_RUN") != "1" and os.path.isdir(os.path.join(env["WORK_DIR"], "hf")):
+    if run_mode == "cpu" and env.get("DRY_RUN") != "1" and env["MERGE"] == "1" and cluster.first_node(env):
         print(f"Hugging Face export: {os.path.join(env['WORK_DIR'], 'hf')}", flush=True)
     return 0
 

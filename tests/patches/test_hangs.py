@@ -356,3 +356,32 @@ def test_a_collective_failing_while_the_watchdog_reports_a_hang_waits_for_its_ex
     assert not done.wait(1.0)  # the failed collective does not return while the report is under way
     watchdog.fired.release()   # (a real report never returns: os._exit)
     assert done.wait(5.0)
+
+
+def test_the_watchdog_and_heartbeat_threads_are_stopped_and_joined_at_exit(monkeypatch):
+    """A daemon thread that the interpreter's teardown catches inside a store call aborts the finished rank
+    ('terminate called without an active exception': seen on the two-node runs): each is stopped by an exit
+    handler, registered after the process group's destruction, so it runs first."""
+    from sat_patches.diagnostics import heartbeat
+
+    class Store:
+        def add(self, key, n):
+            return 1
+
+        def check(self, keys):
+            return False
+
+    registered = []
+    monkeypatch.setattr(hangs, "_watchdog", None)
+    monkeypatch.setattr(heartbeat, "_heartbeat", None)
+    monkeypatch.setattr(hangs.Watchdog, "catch_sigterm", lambda self: None)
+    for module in (hangs, heartbeat):
+        monkeypatch.setattr(module.atexit, "register", registered.append)
+    watchdog = hangs.start_watchdog(timeout=600.0)
+    beat = heartbeat.Heartbeat(Store(), 0, 2, timeout=600.0)
+    beat.thread.start()
+    assert registered == [watchdog.close]
+    started = time.monotonic()
+    watchdog.close(), beat.close()
+    assert not watchdog.thread.is_alive() and not beat.thread.is_alive()
+    assert time.monotonic() - started < 1.0  # woken, not waited out

@@ -120,7 +120,10 @@ def test_recommended_deepspeed_config_puts_offload_where_deepspeed_reads_it():
     config = realise.deepspeed_config(s)
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert lint_deepspeed_config(json.loads(json.dumps(config)), world_size=8, model_parallel_size=2) == config
-    assert realise.script_settings(s) == {"NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "2", "LOCAL_WORLD_SIZE": "8"}
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (8, 1)  # 2 x 1 x 4 data-parallel
+    assert realise.script_settings(s) == {"NUM_GPUS_PER_WORKER": "8", "MP_SIZE": "2", "LOCAL_WORLD_SIZE": "8",
+                                          "GLOBAL_BATCH": "8"}  # not upstream's 4 per data-parallel rank
+    assert "GLOBAL_BATCH" not in realise.script_settings(memory.Setup(gpus=8, mp=2, micro_batch=2, accumulation=2))
 
 
 def test_cli_plan_prints_a_table_recommendation_and_settings(capsys):
@@ -147,3 +150,23 @@ def test_plan_reads_a_checkpoint_model_config(tmp_path):
     assert shapes.parameter_count(config) == shapes.parameter_count(shapes.MODELS["cogvlm-base-490"])
     with pytest.raises(SystemExit, match="unknown model"):
         shapes.resolve_model("cogvlm-huge")
+
+
+def test_the_plan_keeps_the_global_batch_and_chooses_only_its_split(capsys):
+    """Upstream's 4 samples per data-parallel rank by default; --global-batch N for every row; an MP size whose
+    data-parallel ranks cannot share it has no row."""
+    from sat_patches.cli.main import main
+    from sat_patches.planning import timing
+    config = shapes.MODELS["cogvlm-base-490"]
+    opts = search.options(config, 2, 24, seq_len=1288, global_batch=4)
+    assert opts and {o.estimate.setup.global_batch for o in opts} == {4}
+    splits = {(s.mp, s.micro_batch, s.accumulation) for s in (o.estimate.setup for o in opts)}
+    assert splits == {(2, 1, 4), (2, 2, 2), (2, 4, 1), (1, 1, 2), (1, 2, 1)}  # MP 1: 2 data-parallel ranks
+    assert {o.estimate.setup.global_batch for o in search.options(config, 2, 80, seq_len=1288)} == {4, 8}  # MP 2, 1
+    assert {o.estimate.setup.mp for o in search.options(config, 2, 80, seq_len=1288, global_batch=3)} == {2}
+    one, two = (timing.step_time(config, memory.Setup(micro_batch=2, accumulation=a), 989) for a in (1, 2))
+    assert two.seconds == pytest.approx(2 * one.seconds) and two.tokens_per_s == pytest.approx(one.tokens_per_s)
+    assert main(["plan", "--model", "cogvlm-base-490", "--gpus", "2", "--gpu-mem", "24", "--global-batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch  accumulation  global batch" in out
+    assert "global batch 4 = micro-batch 2 x accumulation 2 x 1 data-parallel ranks" in out

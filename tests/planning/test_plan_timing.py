@@ -75,7 +75,8 @@ def test_a_card_is_named_given_in_tflops_or_assumed_from_its_memory():
 
 
 def _recommend(gb, **kw):
-    return search.recommend(search.options(CONFIG, 1, gb, seq_len=1288, **kw))
+    """One GPU, a global batch of 8: micro-batch 8 without accumulation is among the splits."""
+    return search.recommend(search.options(CONFIG, 1, gb, seq_len=1288, global_batch=8, **kw))
 
 
 @pytest.mark.parametrize("gb", [24, 48, 80, 141])
@@ -94,7 +95,7 @@ def test_spare_memory_is_spent_on_speed(gb):
     s = best.estimate.setup
     assert s.micro_batch == 8 and (s.checkpoint_skip_layers > 0 or not s.checkpoint_activations)
     every = [o for o in search.options(CONFIG, 1, gb, seq_len=1288, micro_batch=8, checkpoint_skip_layers=0,
-                                     zero=s.zero, offload=s.offload, qlora=False)]
+                                     zero=s.zero, offload=s.offload, qlora=False, global_batch=8)]
     assert best.time.tokens_per_s > 1.1 * every[0].time.tokens_per_s
     assert best.estimate.per_gpu > every[0].estimate.per_gpu + 15 * memory.GB
 
@@ -123,7 +124,7 @@ def test_checkpoint_options_and_script_settings_carry_the_skip():
 @pytest.mark.parametrize("gb, card", [(80, "h100"), (141, "h200")])
 def test_cli_prints_step_time_and_tokens_per_s_per_row_and_spends_spare_memory(capsys, gb, card):
     from sat_patches.cli.main import main
-    assert main(["plan", "--model", "cogvlm-base-490", "--gpus", "1", "--gpu-mem", str(gb)]) == 0
+    assert main(["plan", "--model", "cogvlm-base-490", "--gpus", "1", "--gpu-mem", str(gb), "--global-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert f"card: {card}, 989 TFLOP/s bf16 (assumed from {gb} GB" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("MP"))

@@ -13,7 +13,7 @@ MODELS = {"CogVLM": "cogvlm-base-490", "CogAgent": "cogagent-chat"}
 def table_rows():
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    header = "| model | TRAINABLE | GPUs | MP_SIZE | DS_CONFIG | micro-batch |"
+    header = "| model | TRAINABLE | GPUs | MP_SIZE | DS_CONFIG | micro-batch × accumulation |"
     start = text.index(header)
     rows = []
     for line in text[start:].splitlines()[2:]:
@@ -24,13 +24,13 @@ def table_rows():
 
 
 def recommended(model, train, gpus, mem):
-    """(MP, DS_CONFIG, micro-batch, GB per GPU, QLoRA, layers left out of checkpointing) of the plan's
-    recommendation."""
+    """(MP, DS_CONFIG, (micro-batch, accumulation), GB per GPU, QLoRA, layers left out of checkpointing or "none")
+    of the plan's recommendation (upstream's global batch: 4 samples per data-parallel rank)."""
     config = shapes.resolve_model(model)
     best = search.recommend(search.options(config, gpus, mem, train=train, seq_len=shapes.default_seq_len(config)))
     s = best.estimate.setup
-    return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", s.micro_batch, best.estimate.per_gpu / memory.GB,
-            s.qlora, s.checkpoint_skip_layers)
+    return (s.mp, "zero2_offload.json" if s.offload else "zero2.json", (s.micro_batch, s.accumulation),
+            best.estimate.per_gpu / memory.GB, s.qlora, s.checkpoint_skip_layers if s.checkpoint_activations else "none")
 
 
 @pytest.mark.parametrize("row", table_rows(), ids=lambda r: "-".join(r[:3]).replace(" ", ""))
@@ -38,8 +38,8 @@ def test_row_is_the_plans_recommendation(row):
     model, train, gpus, mp, ds_config, micro_batch, skip, per_gpu = row[:8]
     low, high, mem = re.fullmatch(r"(\d+)(?:–(\d+))? × (\d+) GB", gpus).groups()
     counts = [int(low)] + ([int(high)] if high else [])
-    batches = [int(b) for b in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", micro_batch)]
-    skips = [int(k) for k in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", skip)]
+    batches = [(int(m), int(a)) for m, a in re.findall(r"(\d+) × (\d+)", micro_batch)]
+    skips = ["none"] if skip.startswith("none") else [int(k) for k in re.findall(r"(\d+)(?: \(\d+ GPUs\))?", skip)]
     gb = [float(x) for x in per_gpu.split("–")]
     qlora = "QLORA=1" in train
     for i, n in enumerate(counts):

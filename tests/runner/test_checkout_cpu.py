@@ -140,12 +140,14 @@ def test_cpu_ranks_in_a_checkout_prepare_train_the_checkouts_demo_and_verify(tmp
     assert "-m torch.distributed.run --nproc-per-node 2 --master-port " in train
     assert f"-m sat_patches.launch {checkout}/finetune_demo/finetune_{kind}_demo.py " in train
     for option in ("--model-parallel-size 2", f"--from_pretrained {work}/model", f"--local_tokenizer {work}/tokenizer",
-                   f"--train-data {work}/data/train", "--train-iters 4", "--use_lora", "configs/cpu_demo.json"):
+                   f"--train-data {work}/data/train", "--train-iters 4", "--use_lora",
+                   f"{work}/checkpoints/cpu_demo.global_batch4.micro_batch4.accumulation1.json"):
         assert option in train
     assert "--checkpoint-activations" not in train
     assert f"-m sat_patches.runner.checkout_cpu verify --checkout {checkout} --kind {kind} --workdir {work} --mp 2" \
         in lines[3]
-    assert not os.path.exists(work)  # a dry run makes nothing
+    # a dry run writes nothing but the DeepSpeed config its commands name (they can be run as printed)
+    assert os.listdir(work) == ["checkpoints"] and len(os.listdir(os.path.join(work, "checkpoints"))) == 1
 
 
 def test_a_resumed_checkout_cpu_run_uses_its_prepared_work_dir_again(tmp_path):

@@ -53,8 +53,9 @@ def test_the_standalone_cpu_run_trains_on_the_users_jsonl_for_the_users_iteratio
 
 
 @pytest.mark.parametrize("run_mode, generated", [("cpu", "coloured shapes"), ("checkout-cpu", "CAPTCHA images")])
-def test_the_notes_name_the_data_a_cpu_run_generates(run_mode, generated):
+def test_the_notes_name_the_data_a_cpu_run_generates(run_mode, generated, tmp_path, monkeypatch):
     from sat_patches.runner import finetune_run
+    monkeypatch.chdir(tmp_path)  # the commands write the run's DeepSpeed config under WORK_DIR
     env = finetune_run.settings({"MODEL_KIND": "cogvlm", "CPU_RANKS": "2"})
     assert finetune_run.cpu_notes(env, {}, run_mode)[:2] == [
         f"TRAIN_DATA not set: generated {generated} are used", f"VALID_DATA not set: generated {generated} are used"]

@@ -114,7 +114,7 @@ def test_gpu_mode_runs_standalone_demo_under_deepspeed_with_settings(tmp_path):
     [cmd] = [l for l in out.stdout.splitlines() if l.startswith("+ deepspeed")]
     assert "--num_gpus 2 --module sat_patches.launch -m sat_patches finetune train --kind cogagent" in cmd
     for expected in ("--model-parallel-size 2", "--from_pretrained cogagent-chat", "--max_length 400",
-                     "--lora_rank 50", "--train-iters 2000", "--version chat", "configs/zero2_offload.json"):
+                     "--lora_rank 50", "--train-iters 2000", "--version chat", "/zero2_offload.global_batch4.micro_batch4.accumulation1.json"):
         assert expected in cmd
 
 
@@ -146,17 +146,27 @@ def test_in_a_checkout_without_gpus_one_message_names_both_ways_out(tmp_path, en
     assert "NUM_GPUS_PER_WORKER=8" not in errors[0] and "must be at least" not in errors[0]
 
 
-def test_micro_batch_is_written_into_the_config_the_run_uses(tmp_path):
+def _batch_of(config):
+    return (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"])
+
+
+def test_micro_batch_keeps_the_global_batch_and_is_written_into_the_config_the_run_uses(tmp_path):
+    """2 GPUs at MP_SIZE=2: one data-parallel rank, upstream's global batch 4 (zero2.json's micro-batch 4)."""
     env = {"DRY_RUN": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NUM_GPUS_PER_WORKER": "2", "MP_SIZE": "2"}
     out = run(SCRIPTS["cogvlm"], dict(env, MICRO_BATCH="2"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     path, config = _deepspeed_config_of(out.stdout)
-    assert config["train_micro_batch_size_per_gpu"] == 2 and path.startswith(str(tmp_path / "checkpoints"))
+    assert _batch_of(config) == (4, 2, 2) and path.startswith(str(tmp_path / "checkpoints"))
     assert config["zero_optimization"]["stage"] == 2  # the rest is DS_CONFIG's (zero2.json)
-    # no MICRO_BATCH and no GPU memory to plan with: DS_CONFIG as installed, which exists wherever we run
+    assert "global batch 4 = micro-batch 2 x accumulation 2 x 1 data-parallel rank (upstream's)" in out.stdout
+    # no MICRO_BATCH and no GPU memory to plan with: DS_CONFIG's micro-batch
     out = run(SCRIPTS["cogvlm"], env, cwd=tmp_path)
     path, config = _deepspeed_config_of(out.stdout)
-    assert os.path.basename(path) == "zero2.json" and config["train_micro_batch_size_per_gpu"] == 4
+    assert _batch_of(config) == (4, 4, 1)
+    assert "micro-batch 4 x accumulation 1: zero2.json's (no GPU memory figure from nvidia-smi" in out.stdout
+    out = run(SCRIPTS["cogvlm"], dict(env, MICRO_BATCH="3"), cwd=tmp_path)
+    assert out.returncode == 2 and "MICRO_BATCH=3 does not divide the 4 samples each data-parallel rank takes per " \
+        "step (global batch 4 (upstream's) / 1 ranks): set MICRO_BATCH to one of [1, 2, 4]" in out.stderr
 
 
 def test_micro_batch_and_skip_default_to_the_plans_choice_for_the_detected_gpus(tmp_path):

@@ -7,7 +7,8 @@ import sys
 from sat_patches.runner import finetune_run, steps
 
 
-def test_a_cpu_runs_ranks_are_started_by_torchrun_through_sat_patches_launch(tmp_path):
+def test_a_cpu_runs_ranks_are_started_by_torchrun_through_sat_patches_launch(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the commands write the run's DeepSpeed config under WORK_DIR
     env = dict(finetune_run.settings({"MODEL_KIND": "cogagent", "CPU_RANKS": "2"}), MASTER_PORT="29517")
     commands = finetune_run.cpu_commands(env, "cogagent")
     assert [cmd[:4] for cmd in commands] == [[sys.executable, "-m", *m] for m in (
