@@ -108,21 +108,23 @@ def _load_optimizer(engine, args, states: dict) -> bool:
 
 
 def _load_zero_shards(engine, args) -> bool:
-    """DeepSpeed's ZeRO load. A checkpoint saved at another number of data-parallel ranks (a run resumed on other
-    nodes, its global batch kept), which DeepSpeed refuses: its elastic shards merged and split again for this
-    run (DeepSpeed's own elastic restore); a checkpoint saved rigid is refused with what to do."""
+    """DeepSpeed's ZeRO load. Where this run's config saves elastic shards (the finetune scripts' copies do), DeepSpeed's
+    elastic restore with torch's Adam step filled in, also for shards saved by another number of data-parallel ranks
+    (a run resumed on other nodes, its global batch kept), which DeepSpeed's load refuses; such a checkpoint saved
+    rigid is refused with what to do."""
     tag, saved, now = str(args.iteration), engine.loaded_checkpoint_dp_world_size, engine.seq_dp_world_size
-    if saved == now:
+    elastic = getattr(engine.optimizer, "elastic_checkpoint", False)
+    if saved == now and not elastic:
         return bool(engine._load_zero_checkpoint(args.load, tag, load_optimizer_states=True))
-    shards = engine._get_all_zero_checkpoints(args.load, tag)
-    if any(isinstance(s.get("base_optimizer_state"), dict) for s in shards) or \
-            not getattr(engine.optimizer, "elastic_checkpoint", False):
+    shards = engine._get_all_zero_checkpoints(args.load, tag) or []
+    present = [s for s in shards if s is not None]
+    if not present or not elastic or any(isinstance(s.get("base_optimizer_state"), dict) for s in present):
         raise CheckpointError(
             f"'{args.load}' iteration {tag} was saved by {saved} data-parallel rank(s) and this run has {now}: its "
             f"ZeRO optimizer shards can be split again only where the saving and this run's DeepSpeed configs both "
             f"set zero_optimization.elastic_checkpoint (the finetune scripts' copies do): resume with {saved} "
             f"data-parallel ranks (ranks / MP_SIZE), or set it in both")
-    for shard in shards:  # torch's Adam keeps its step in each parameter's state, where DeepSpeed does not look
+    for shard in present:  # torch's Adam keeps its step in each parameter's state, where DeepSpeed does not look
         step = shard["base_optimizer_state"][0].get("step")
         shard.setdefault("base_optimizer_state_step", int(step) if step is not None else None)
     engine.optimizer.load_state_dict(state_dict_list=shards, load_optimizer_states=True,

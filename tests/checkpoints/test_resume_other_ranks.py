@@ -19,8 +19,8 @@ def test_one_rank_skips_every_micro_batch_of_the_iterations_it_resumes_after():
 class Engine:
     """What ``_load_zero_shards`` reads of DeepSpeed's engine: saved at 2 data-parallel ranks, running at 1."""
 
-    def __init__(self, shards, elastic):
-        self.loaded_checkpoint_dp_world_size, self.seq_dp_world_size, self.shards = 2, 1, shards
+    def __init__(self, shards, elastic, saved_by=2):
+        self.loaded_checkpoint_dp_world_size, self.seq_dp_world_size, self.shards = saved_by, 1, shards
         self.optimizer = type("Optimizer", (), {"elastic_checkpoint": elastic, "load_state_dict": self.load})()
         self.loaded = None
 
@@ -48,6 +48,14 @@ def test_elastic_shards_saved_by_other_ranks_are_split_again_with_torchs_adam_st
     loaded, kw = engine.loaded
     assert [s["base_optimizer_state_step"] for s in loaded] == [4, 4]  # where DeepSpeed's elastic restore reads it
     assert kw["load_optimizer_states"] and kw["load_from_fp32_weights"]
+
+
+def test_elastic_shards_saved_by_as_many_ranks_get_torchs_adam_step_too():
+    """DeepSpeed's own load of elastic shards asserts a step that torch's Adam keeps elsewhere."""
+    shards = [{"base_optimizer_state": [{"step": torch.tensor(2.0), "exp_avg": torch.zeros(3)}]}]
+    engine = Engine(shards, elastic=True, saved_by=1)
+    assert resume._load_zero_shards(engine, _args())
+    assert [s["base_optimizer_state_step"] for s in engine.loaded[0]] == [2]
 
 
 def test_rigid_shards_saved_by_other_ranks_are_refused_with_what_to_do():
