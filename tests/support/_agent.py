@@ -25,12 +25,26 @@ def preload() -> list:
     return []
 
 
-def main(argv) -> None:
+def main(argv, start_method: str = "forkserver") -> None:
     args = parse_args(argv)
     config, _, _ = config_from_args(args)
-    config.start_method = "forkserver"
+    config.start_method = start_method
     multiprocessing.set_forkserver_preload(preload())
     elastic_launch(config, _rank_main.forked)(*args.training_script_args)
+
+
+def in_shared_server(argv, env: dict, cwd, log: str) -> None:
+    """The agent as a child of the test process's own forkserver (:mod:`multirank`), which imported sat_patches and
+    SAT once for every run of that process: this run's environment, folder and output, then its ranks forked from
+    here (a process group of its own, as ``start_new_session`` gives the subprocess agent)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1), os.dup2(out, 2), os.close(out)
+    main(argv, start_method="fork")
 
 
 if __name__ == "__main__":

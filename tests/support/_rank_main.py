@@ -115,6 +115,9 @@ def forked(workdir: str, *argv: str) -> None:
     atexit handlers and with its output flushed."""
     os.setsid()
     multiprocessing.set_start_method(None, force=True)  # the platform's default again, as in a new interpreter
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # an agent's handlers (forked from it) not kept
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = start(workdir, forward=True)
     code = rank_main(workdir, rank, argv)
     atexit._run_exitfuncs()

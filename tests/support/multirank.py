@@ -6,6 +6,11 @@ rank has the environment torchrun gives its workers and ``OMP_NUM_THREADS=1``. `
 imports first: ``True`` (every patch), ``"stock"`` (stock SAT plus only the CPU stand-ins a GPU user does not
 need: see :data:`CPU_STANDINS`), ``False`` (nothing), or an iterable of patch names to disable.
 
+The agent is ``_agent`` (torchrun's own options and agent): where the test asks for every patch and sets none read
+when the patches are applied, a child of this process's multiprocessing forkserver, which imported SAT and sat_patches
+once for all such runs, its ranks forked from it; else a new interpreter whose ranks are forked from a forkserver of
+the run's own; ``fresh=True`` (or ``SATP_TEST_FRESH=1``) runs torchrun itself, every rank a new interpreter.
+
 Each rank's output, result and exit status (a signal's too) land in the run's folder (:mod:`_rank_main`). A rank
 still running at the timeout is killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one
 that never started has ``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other
@@ -120,6 +125,51 @@ def _killpg(pid: int) -> None:
         pass
 
 
+# the modules every rank of a shared-server run has imported (see _shared_server)
+SHARED_PRELOAD = ["_agent", "sat_patches", "sat", "sat.model", "sat.training.deepspeed_training"]
+# settings read when the patches are applied: a run that sets them starts a server of its own
+APPLY_TIME = ("SAT_PATCHES_DISABLE", "SAT_PATCHES_FORCE")
+_server = None
+
+
+def _shared_server():
+    """This process's multiprocessing forkserver, started once with every patch on and the test kit's environment
+    (nothing a test set in this process), which imports :data:`SHARED_PRELOAD` once for all its runs."""
+    global _server
+    if _server is None:
+        import multiprocessing
+        import multiprocessing.forkserver
+        multiprocessing.set_forkserver_preload(SHARED_PRELOAD)
+        saved = dict(os.environ)
+        try:
+            os.environ.clear()
+            os.environ.update({k: v for k, v in base_env(_patch_env(True)).items()
+                               if not k.startswith("SAT_PATCHES_") or k == "SAT_PATCHES_DISABLE"})
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server = multiprocessing.get_context("forkserver")
+    return _server
+
+
+class _SharedAgent:
+    """torchrun's agent for one node of a run, a child of :func:`_shared_server` (as a ``Popen`` is waited on)."""
+
+    def __init__(self, argv, env, cwd, log):
+        import _agent
+        self.process = _shared_server().Process(target=_agent.in_shared_server, args=(argv, env, cwd, log))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self):
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def wait(self):
+        self.process.join()
+        return self.process.exitcode
+
+
 def _end(agents, files) -> None:
     """Kill what is left of a run: each torchrun still running (frozen first, so that it starts and ends no rank
     meanwhile) with its ranks, and any rank that wrote no status."""
@@ -145,11 +195,16 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
     agent_env = base_env({**_patch_env(patches), **(env or {})})
     fresh = fresh or os.environ.get("SATP_TEST_FRESH") == "1"  # every rank a new interpreter (to compare, to debug)
     port = free_port()
+    shared = not fresh and patches is True and not set(APPLY_TIME) & set(env or {})
     agents = []
     for node in range(nodes):
-        with open(os.path.join(workdir, f"torchrun{node}.log"), "w") as log:
-            agents.append(subprocess.Popen(torchrun_command(nranks, port, nodes, node, [workdir, *rank_args], fresh),
-                                           env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+        log_path = os.path.join(workdir, f"torchrun{node}.log")
+        command = torchrun_command(nranks, port, nodes, node, [workdir, *rank_args], fresh)
+        if shared:  # torchrun's options, the agent forked from this process's server
+            agents.append(_SharedAgent(command[3:], agent_env, cwd, log_path))
+            continue
+        with open(log_path, "w") as log:
+            agents.append(subprocess.Popen(command, env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     deadline, ended_at = time.monotonic() + timeout, None
     try:
