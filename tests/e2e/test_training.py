@@ -34,7 +34,8 @@ def test_training_main_two_ranks_loss_falls(tmp_path, mp):
 
 @pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 def test_stock_sat_cannot_train_on_cpu_ranks(tmp_path):
-    results = run_script([*SCRIPT, "--model-parallel-size", "2"], nranks=2, timeout=240, patches="stock")
+    # each rank on a node of its own: the first to fail does not end the other before it fails the same way
+    results = run_script([*SCRIPT, "--model-parallel-size", "2"], nranks=2, timeout=240, patches="stock", nodes=2)
     for r in results:
         assert r.returncode not in (0, None) and not r.timed_out
         assert "LOCAL_RANK (default 0) and args.device inconsistent" in r.output

@@ -28,7 +28,8 @@ def test_backend_policy_gives_cpu_tensors_a_backend():
 @pytest.mark.slow  # ranks that torchrun starts, each importing torch and SAT (over 10 s on 2 cores)
 @pytest.mark.multirank
 def test_sat_parameter_sync_fails_on_a_cuda_only_group_and_names_the_tensor():
-    results = run_script(SCRIPT, nranks=2, timeout=240, patches=["process_group_backend"])
+    # each rank on a node of its own: the first to fail does not end the other before it fails the same way
+    results = run_script(SCRIPT, nranks=2, timeout=240, patches=["process_group_backend"], nodes=2)
     for r in results:
         assert r.returncode not in (0, None) and not r.timed_out
         assert "RuntimeError: No backend type associated with device type cpu" in r.output
