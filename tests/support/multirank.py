@@ -92,13 +92,13 @@ def run_fresh(code: str, env: Optional[dict] = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
-def torchrun_command(nranks: int, port: int, nodes: int, node: int, rank_args: Sequence[str],
-                     fresh: bool = True) -> List[str]:
+def torchrun_options(nranks: int, port: int, nodes: int, node: int, rank_args: Sequence[str]) -> List[str]:
+    """torchrun's arguments for one node of a run: its options, then the rank's module and arguments."""
     if nodes < 1 or nranks % nodes:
         raise ValueError(f"{nranks} ranks do not split evenly over {nodes} node(s)")
-    return [sys.executable, "-m", "torch.distributed.run" if fresh else "_agent", "--nproc-per-node", str(nranks // nodes),
-            "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
-            "--master-port", str(port), "--max-restarts", "0", "-m", "_rank_main", *rank_args]
+    return ["--nproc-per-node", str(nranks // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
+            "-m", "_rank_main", *rank_args]
 
 
 def _read(path: str, mode: str = "r"):
@@ -199,12 +199,13 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
     agents = []
     for node in range(nodes):
         log_path = os.path.join(workdir, f"torchrun{node}.log")
-        command = torchrun_command(nranks, port, nodes, node, [workdir, *rank_args], fresh)
-        if shared:  # torchrun's options, the agent forked from this process's server
-            agents.append(_SharedAgent(command[3:], agent_env, cwd, log_path))
+        options = torchrun_options(nranks, port, nodes, node, [workdir, *rank_args])
+        if shared:  # the agent forked from this process's server
+            agents.append(_SharedAgent(options, agent_env, cwd, log_path))
             continue
+        launcher = "torch.distributed.run" if fresh else "_agent"
         with open(log_path, "w") as log:
-            agents.append(subprocess.Popen(command, env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
+            agents.append(subprocess.Popen([sys.executable, "-m", launcher, *options], env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
     deadline, ended_at = time.monotonic() + timeout, None
     try:
