@@ -13,6 +13,7 @@ One layer of a kind costs the difference between two models that differ by one l
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Dict, Optional
 from unittest import mock
 
@@ -91,7 +92,8 @@ def _inputs(values, config: dict, tokens: int, batch: int) -> dict:
 
 def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = None, checkpoint: bool = False,
               tokens: Optional[int] = None, batch: int = 1, lora_rank: int = 10,
-              trains: Callable[[str], bool] = lambda name: False, remember_outputs: bool = True) -> int:
+              trains: Callable[[str], bool] = lambda name: False, remember_outputs: bool = True,
+              selective: float = 0.0) -> int:
     """Peak bytes alive during one LoRA training step (forward, loss, backward) of ``config`` (a released
     ``model_config.json``, e.g. ``sat_patches.cogvlm.shapes.upstream_config(name)``) as model-parallel rank 0
     of ``mp``, in bf16, with ``layers`` of each kind (default 1), activation checkpointing as
@@ -99,7 +101,8 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     max_length by default); besides the LoRA factors, the parameters whose names ``trains`` accepts train
     (``sat_patches.core.kinds.KINDS[kind].demo_trains``: what upstream's demo trains). Weights and inputs made before the
     step are not counted, nor are the parameters' gradients (dropped as soon as each is complete).
-    ``remember_outputs=False``: every meta kernel runs (:class:`.meta_values.MetaValues`)."""
+    ``remember_outputs=False``: every meta kernel runs (:class:`.meta_values.MetaValues`). ``selective``: the share
+    of checkpointed layers that checkpoint selectively (``SAT_PATCHES_CHECKPOINT_SELECTIVE``)."""
     from sat.model.finetune.lora2 import LoraMixin
     from sat_patches.runtime import devices
     from sat_patches.planning.shapes import default_seq_len, plan_config
@@ -109,7 +112,8 @@ def step_peak(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = N
     from meta_values import MetaValues
     config = _with_layers(plan_config(config), layers)
     tokens = tokens or default_seq_len(config)
-    with devices.use_device("meta"), model_parallel_as(mp), collectives_as_shapes(mp), fused_attention():
+    with devices.use_device("meta"), model_parallel_as(mp), collectives_as_shapes(mp), fused_attention(), \
+            mock.patch.dict(os.environ, {"SAT_PATCHES_CHECKPOINT_SELECTIVE": str(selective)}):
         model = build_on_meta(config, mp)
         model.add_mixin("lora", LoraMixin(config["num_layers"], lora_rank), reinit=True)
         eva = model.get_mixin("eva").vit_model
@@ -146,15 +150,15 @@ def layer_bytes(config: dict, kind: str, mp: int = 1, **options) -> int:
 
 
 def planned_activations(config: dict, mp: int = 1, *, layers: Optional[Dict[str, int]] = None,
-                        checkpoint: bool = False, train: str = "lora") -> Dict[str, float]:
+                        checkpoint: bool = False, train: str = "lora", selective: float = 0.0) -> Dict[str, float]:
     """The plan's activation terms (``sat-patches plan``: micro-batch 1, the demo's max_length, LoRA rank 10)
     for the model :func:`step_peak` measures: ``config`` with ``layers`` of each kind; ``train`` as the plan's
-    ``--train``."""
+    ``--train``; ``selective`` as the plan's share of selectively checkpointed layers."""
     import copy
     from sat_patches.planning import memory, shapes
     c = _with_layers(copy.deepcopy(shapes.plan_config(config)), layers)
     setup = memory.Setup(mp=mp, micro_batch=1, seq_len=shapes.default_seq_len(c), checkpoint_activations=checkpoint,
-                       train=train)
+                         train=train, selective_share=selective)
     return {term: value for term, value in memory.estimate(c, setup).device.items()
             if term.startswith(("activations", "logits"))}
 

@@ -10,18 +10,24 @@ from ..planning.memory import GB
 from ..planning.realise import checkpoint_options, deepspeed_config, script_settings
 from ..planning.search import Option, _preference, options, recommend
 from ..planning.shapes import MODELS, default_seq_len, model_parts, parameter_count, resolve_model
-from ..planning.timing import CARDS, card
+from ..planning.timing import CARDS, card, layer_states
 
 
 def _gb(x: float) -> str:
     return f"{x / GB:6.1f}"
 
 
-def checkpointing(s) -> str:
-    """The layers checkpointed, as the table's column says it."""
-    if not s.checkpoint_activations:
-        return "none"
-    return "all" if not s.checkpoint_skip_layers else f"all but {s.checkpoint_skip_layers}"
+def checkpointing(s, layers: int) -> str:
+    """The language model's ``layers`` by checkpointing (EVA's in the same shares), as the table's column says it:
+    ``full 75% selective 25%``, ``full 90% none 10%``, ``none 100%``."""
+    states = layer_states(layers, s.checkpoint_skip_layers, s.selective_share, s.checkpoint_activations)
+    return " ".join(f"{state} {round(100 * states.count(state) / layers)}%" for state in ("full", "selective", "none")
+                    if state in states)
+
+
+def layer_path(s) -> str:
+    """How the layers' bodies run: ``compiled`` (SAT_PATCHES_COMPILE_LAYERS=1) or ``eager``."""
+    return "compiled" if s.compiled else "eager"
 
 
 def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Option], args) -> str:
@@ -40,16 +46,16 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     hint = "" if how == "given" else "; --gpu NAME or --tflops N to set it"
     lines.append(f"card: {gpu.name}, {gpu.tflops:g} TFLOP/s bf16 ({how}{hint}): step "
                  f"time predicted from the useful FLOP, recomputed layers and a per-layer cost; the fastest setting "
-                 f"that fits is shown per row (checkpointed: the language layers, EVA's the same share)")
-    lines.append(" MP  ZeRO  offload  micro-batch  accumulation  global batch  checkpointed  GB/GPU  host GB/node"
-                 "  stock-SAT host GB/node  step s  tokens/s")
+                 f"that fits is shown per row (checkpointing: the language layers' shares, EVA's the same)")
+    lines.append(" MP  ZeRO  offload  micro-batch  accumulation  global batch  checkpointing                    layers    "
+                 "GB/GPU  host GB/node  stock-SAT host GB/node  step s  tokens/s")
     groups = {}
     for o in opts:
         s = o.estimate.setup
         groups.setdefault((s.qlora, s.mp, s.zero, s.offload), []).append(o)
     bf16_fits = any(o.viable for o in opts if not o.estimate.setup.qlora)
     qlora_fits = [o for o in opts if o.viable and o.estimate.setup.qlora]
-    headed = False
+    headed, layers = False, config["num_layers"]
     for (qlora, mp, zero, off), group in sorted(groups.items()):
         if qlora and bf16_fits:
             continue  # one screen: the QLoRA rows where nothing else fits, else one line below
@@ -61,7 +67,7 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
         e = o.estimate
         verdict = "ok" if o.viable else f"no: {o.reason}"
         lines.append(f"{mp:3d}  {zero:4d}  {'cpu' if off else '-':>7}  {e.setup.micro_batch:11d}  "
-                     f"{e.setup.accumulation:12d}  {e.setup.global_batch:12d}  {checkpointing(e.setup):>12}  {_gb(e.per_gpu)}  {_gb(e.host_node):>12}  "
+                     f"{e.setup.accumulation:12d}  {e.setup.global_batch:12d}  {checkpointing(e.setup, layers):<31}  {layer_path(e.setup):<8}  {_gb(e.per_gpu)}  {_gb(e.host_node):>12}  "
                      f"{_gb(e.host_stock_node):>22}  {o.time.seconds:6.2f}  {o.time.tokens_per_s:8.0f}  {verdict}")
     if bf16_fits and qlora_fits:
         q = min(qlora_fits, key=_preference).estimate
@@ -79,7 +85,8 @@ def format_plan(name: str, config: dict, opts: List[Option], best: Optional[Opti
     lines += [f"recommended: {'QLoRA (QLORA=1, --use_qlora), ' if s.qlora else ''}MP_SIZE={s.mp}, ZeRO-{s.zero}, "
               f"{'optimizer offload to CPU' if s.offload else 'no offload'},"
               f" global batch {s.global_batch} = micro-batch {s.micro_batch} x accumulation {s.accumulation} x "
-              f"{s.dp} data-parallel ranks, checkpointed layers: {checkpointing(s)}: {e.per_gpu / GB:.1f} GB per GPU, "
+              f"{s.dp} data-parallel ranks, checkpointing {checkpointing(s, layers)}, {layer_path(s)} layers: "
+              f"{e.per_gpu / GB:.1f} GB per GPU, "
               f"{best.time.seconds:.2f} s per step, {best.time.tokens_per_s:.0f} tokens/s predicted, "
               f"host {e.host_node / GB:.0f} GB per "
               f"node with sat_patches (stock SwissArmyTransformer {VERIFIED_SAT} peaks near "
@@ -101,7 +108,7 @@ def cmd_plan(args) -> int:
     opts = options(config, args.gpus, args.gpu_mem, args.host_mem, nodes=args.nodes, zero=args.zero,
                    offload=None if args.offload is None else args.offload == "cpu", micro_batch=args.micro_batch,
                    gpu=args.card[0], checkpoint_skip_layers=args.checkpoint_skip_layers,
-                   global_batch=args.global_batch, **fields)
+                   global_batch=args.global_batch, selective=args.selective, **fields)
     best = recommend(opts)
     if args.json:
         gpu, how = args.card
@@ -141,6 +148,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-checkpoint-activations", action="store_true")
     p.add_argument("--checkpoint-skip-layers", type=int, default=None, metavar="N",
                    help="only this many last language layers left out of checkpointing (default: the fastest that fits)")
+    p.add_argument("--selective", action="store_true", default=None,
+                   help="also time selective checkpointing (layers keeping their matrix products' outputs; default: "
+                        "on the cards where the GPU kit measured it faster)")
     p.add_argument("--gpu", default=None, help=f"the card, for the predicted step time: {', '.join(CARDS)} "
                                                 "(default: the one nearest in memory to --gpu-mem)")
     p.add_argument("--tflops", type=float, default=None, help="the card's peak dense bf16 TFLOP/s, instead of --gpu")

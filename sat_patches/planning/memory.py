@@ -1,7 +1,8 @@
 """The memory model: what one rank of a run (a :class:`Setup`) holds on its device and on the host.
 
 Weights, gradients and optimizer states by ZeRO stage and offload; activations per kind of layer (checkpointed
-layers keep their input, SAT's ``checkpoint_skip_layers`` last ones their working set), the logits and loss, and a
+layers keep their input, selectively checkpointed ones their matrix products' outputs, SAT's
+``checkpoint_skip_layers`` last ones their working set), the logits and loss, and a
 fixed runtime share. The host estimate assumes sat_patches; stock SwissArmyTransformer 0.4.12 is shown beside it
 (every rank builds in fp32 on the CPU and ``torch.load``s the whole checkpoint: THUDM/CogVLM#283, #320).
 """
@@ -14,7 +15,7 @@ from ..core import settings
 from ..core.kinds import KINDS
 from ..cogvlm.shapes import cross_tokens
 from .shapes import demo_trainable_parts, lora_parts, model_parts
-from .timing import checkpointed_layers, eva_trains
+from .timing import checkpointed_layers, eva_trains, selective_counts
 
 GB = 1e9
 GiB = 2 ** 30
@@ -43,6 +44,8 @@ class Setup:
     train: str = "lora"             # lora | demo (upstream finetune_demo's trainable set)
     checkpoint_activations: bool = True
     checkpoint_skip_layers: int = 0  # the last N language layers not checkpointed (SAT's), the same share of EVA's
+    selective_share: float = 0.0    # of each transformer's checkpointed layers, checkpointed selectively (the last ones)
+    compiled: bool = False          # the layers' bodies torch.compile'd (SAT_PATCHES_COMPILE_LAYERS=1)
     qlora: bool = False             # NF4 base (upstream's --use_qlora): MP=1, LoRA on the language model only
     device: str = "cuda"            # cuda | cpu (CPU ranks: everything is host memory)
     reduce_bucket: float = 4e7      # zero_optimization.reduce_bucket_size (upstream's configs)
@@ -112,6 +115,11 @@ class LayerKeeps:
 LANGUAGE_LAYER = LayerKeeps(whole=6, split=6, ffn=3)
 EVA_LAYER = LayerKeeps(whole=3, split=6, ffn=1)
 EVA_LAYER_MLP_TRAINED = LayerKeeps(whole=4, split=6, ffn=2)
+# a selectively checkpointed layer keeps its input and every matrix product's output (measured on meta, as above):
+# the language model's qkv, attention, dense and MLP products (LoRA on the attention of the few language tokens);
+# EVA's with its LoRA products, more than EVA keeps unchecked (its base is frozen: a product's output is not saved)
+LANGUAGE_LAYER_SELECTIVE = LayerKeeps(whole=3, split=4, ffn=2)
+EVA_LAYER_SELECTIVE = LayerKeeps(whole=4, split=7, ffn=1)
 # upstream's CogAgent demo trains the vision experts and the cross attention: more per vision token (boi + image)
 EXPERTS_TRAINED = LayerKeeps(whole=5, split=1, ffn=1)
 # a layer of CogAgent's EVA2-CLIP-L encoder when it trains (upstream's demo); plain torch: never split
@@ -126,11 +134,28 @@ def cross_layer_bytes(c: dict, tokens: int, mp: int, wb: int) -> float:
     return wb * (n * (c["cross_attn_hidden_size"] + 2 * inner / mp) + tokens * (c["hidden_size"] + 2 * inner / mp))
 
 
-def _stack(per_layer: List[float], layer_input: float, checkpointed: int) -> float:
-    """Activations of a stack of layers keeping ``per_layer`` each, the first ``checkpointed`` of them keeping
-    only their input (recomputed one at a time after the others' working sets are freed)."""
-    kept, recomputed = per_layer[checkpointed:], per_layer[:checkpointed]
-    return checkpointed * layer_input + max(sum(kept), max(recomputed, default=0))
+def cross_layer_bytes_selective(c: dict, tokens: int, mp: int, wb: int) -> float:
+    """The cross attention of a selectively checkpointed CogAgent layer: its products' outputs (keys and values of
+    the encoder tokens, twice; the query side at the text length)."""
+    n = cross_tokens(c)
+    inner = c["num_attention_heads"] * c["cross_hidden_size_per_attention_head"]
+    return wb * (4 * n * inner / mp + tokens * (2 * c["hidden_size"] + 3 * inner / mp))
+
+
+def _stack(per_layer: List[float], layer_input: float, checkpointed: int, selective: int = 0,
+           selective_keeps: float = 0.0) -> float:
+    """Activations of a stack of layers keeping ``per_layer`` each unchecked: the first ``checkpointed`` keep only
+    their input, but the last ``selective`` of those keep ``selective_keeps``. The peak: the forward's end, or
+    backward recomputing one checkpointed layer's working set (the unchecked layers' freed by then; the selective
+    layers' kept outputs too when a fully checkpointed one recomputes)."""
+    full = checkpointed - selective
+    kept = selective * selective_keeps
+    peaks = [sum(per_layer[checkpointed:])]
+    if selective:  # what backward saves for a recomputed layer comes beside the outputs it kept
+        peaks.append(max(per_layer[full:checkpointed]))
+    if full:
+        peaks.append(max(per_layer[:full]) - kept)
+    return full * layer_input + kept + max(peaks)
 
 
 def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
@@ -144,13 +169,17 @@ def _eva_mlp_trained_layers(c: dict, s: Setup) -> int:
 def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
     wb, b, mp, t = s.weight_bytes, s.micro_batch, s.mp, s.seq_len
     language_checkpointed, eva_checkpointed = checkpointed_layers(c, s)
+    language_selective, eva_selective = selective_counts(c, s)
     h, f, L = c["hidden_size"], c.get("inner_hidden_size") or 4 * c["hidden_size"], c["num_layers"]
     one = b * LANGUAGE_LAYER.bytes(t, h, f, c["num_attention_heads"], mp, wb)
+    selective = b * LANGUAGE_LAYER_SELECTIVE.bytes(t, h, f, c["num_attention_heads"], mp, wb)
     if c.get("cross_image_pix"):
         one += b * cross_layer_bytes(c, t, mp, wb)
+        selective += b * cross_layer_bytes_selective(c, t, mp, wb)
         if s.train == "demo":
             one += b * EXPERTS_TRAINED.bytes(c["image_length"] + 1, h, f, 0, mp, wb)
-    out = {"activations (language)": _stack([one] * L, b * t * h * wb, language_checkpointed)}
+    out = {"activations (language)": _stack([one] * L, b * t * h * wb, language_checkpointed, language_selective,
+                                            selective)}
     # the gathered logits on every rank: four fp32 (b, t, vocab) tensors at the loss's peak
     out["logits and loss"] = b * t * c["vocab_size"] * 4 * 4
     e = c.get("eva_args")
@@ -162,8 +191,8 @@ def _activations(c: dict, s: Setup, eva_trains: bool) -> Dict[str, float]:
         trained_mlp = _eva_mlp_trained_layers(c, s)
         layers = ([eva_layer(EVA_LAYER_MLP_TRAINED)] * trained_mlp
                   + [eva_layer(EVA_LAYER)] * (e["num_layers"] - trained_mlp))
-        out["activations (EVA)"] = (_stack(layers, b * et * e["hidden_size"] * wb, eva_checkpointed)
-                                    if eva_trains else eva_layer(EVA_LAYER))
+        out["activations (EVA)"] = (_stack(layers, b * et * e["hidden_size"] * wb, eva_checkpointed, eva_selective,
+                                           eva_layer(EVA_LAYER_SELECTIVE)) if eva_trains else eva_layer(EVA_LAYER))
     if c.get("cross_image_pix"):
         enc, n = c["encoder_args"], cross_tokens(c)
         # the encoder's output; trained (demo), also every encoder layer's values (never checkpointed)

@@ -47,4 +47,15 @@ def script_settings(s: Setup) -> Dict[str, str]:
         settings["CHECKPOINT_ACTIVATIONS"] = "0"
     elif s.checkpoint_skip_layers:
         settings["CHECKPOINT_SKIP_LAYERS"] = str(s.checkpoint_skip_layers)
+    settings.update(lever_settings(s))
     return settings
+
+
+def lever_settings(s: Setup) -> Dict[str, str]:
+    """The sat_patches settings of ``s``'s levers: its share of selectively checkpointed layers, compiled layers."""
+    out = {}
+    if s.checkpoint_activations and s.selective_share:
+        out["SAT_PATCHES_CHECKPOINT_SELECTIVE"] = f"{s.selective_share:.4g}"
+    if s.compiled:
+        out["SAT_PATCHES_COMPILE_LAYERS"] = "1"
+    return out

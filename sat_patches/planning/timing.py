@@ -3,13 +3,14 @@
     seconds = (useful FLOP + recomputed FLOP) / (EFFICIENCY * card's peak) + LAYER_PASS_SECONDS * layer passes
 
 Useful FLOP: forward plus the input gradients of the parts gradients flow through; recomputed FLOP: the forward of
-each checkpointed layer again. The two constants were fitted on an H200 (``tests/planning/test_plan_timing.py``
+each fully checkpointed layer again (a selectively checkpointed one keeps its matrix products' outputs and recomputes
+only its elementwise work: a layer pass, no FLOP counted). The two constants were fitted on an H200 (``tests/planning/test_plan_timing.py``
 holds the table). Communication, offload and NF4 dequantisation are not modelled.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 from ..cogvlm.shapes import cross_tokens
 
@@ -24,6 +25,11 @@ class Card:
     tflops: float           # peak dense bf16 tensor TFLOP/s
     memory_gb: float
 
+
+# the levers the plan turns on by default on a kind of card: where the GPU kit's speed ladder
+# (benchmarks/gpu/proof_ladder.py) measured them faster on it. Elsewhere they are asked for: `plan --selective`,
+# SAT_PATCHES_CHECKPOINT_SELECTIVE, SAT_PATCHES_COMPILE_LAYERS=1
+MEASURED_FASTER: Dict[str, FrozenSet[str]] = {"selective": frozenset(), "compiled": frozenset()}
 
 # in the order a card is assumed from --gpu-mem (the first of those nearest in memory)
 CARDS = {c.name: c for c in (
@@ -65,6 +71,28 @@ def checkpointed_layers(c: dict, s) -> Tuple[int, int]:
         return 0, 0
     skip = min(s.checkpoint_skip_layers, layers)
     return layers - skip, eva_layers - (eva_skip_layers(skip, layers, eva_layers) if eva_layers else 0)
+
+
+def selective_layers(checkpointed: int, share: float) -> int:
+    """How many of a transformer's ``checkpointed`` layers checkpoint selectively at ``share`` (rounded half up):
+    the runtime (``SAT_PATCHES_CHECKPOINT_SELECTIVE``) and the plan count them with this."""
+    return min(checkpointed, int(share * checkpointed + 0.5))
+
+
+def layer_states(layers: int, skip: int, share: float, checkpointing: bool = True) -> list:
+    """Each layer's state, first to last: ``"full"``, ``"selective"`` or ``"none"`` (SAT's last ``skip``)."""
+    if not checkpointing:
+        return ["none"] * layers
+    checkpointed = max(layers - skip, 0)
+    selective = selective_layers(checkpointed, share)
+    return ["full"] * (checkpointed - selective) + ["selective"] * selective + ["none"] * (layers - checkpointed)
+
+
+def selective_counts(c: dict, s) -> Tuple[int, int]:
+    """Selectively checkpointed language and EVA layers of setup ``s`` (its ``selective_share`` of each
+    transformer's checkpointed layers)."""
+    language, eva = checkpointed_layers(c, s)
+    return selective_layers(language, s.selective_share), selective_layers(eva, s.selective_share)
 
 
 def eva_trains(c: dict, s) -> bool:
@@ -139,7 +167,9 @@ def step_time(c: dict, s, tflops: float) -> StepTime:
     backward = (p.language_layers * p.language_layer + p.head + p.adapter
                 + (p.eva_layers * p.eva_layer if eva_back else 0) + (p.encoder if encoder_back else 0))
     lang_ckpt, eva_ckpt = checkpointed_layers(c, s)
-    recomputed = lang_ckpt * p.language_layer + (eva_ckpt * p.eva_layer if eva_back else 0)
+    lang_selective, eva_selective = selective_counts(c, s)  # recompute the elementwise work only: a pass, no matmul
+    recomputed = ((lang_ckpt - lang_selective) * p.language_layer
+                  + ((eva_ckpt - eva_selective) * p.eva_layer if eva_back else 0))
     scale = s.micro_batch / s.mp
     useful, recomputed = scale * (forward + backward), scale * recomputed
     passes = (2 * p.language_layers + p.eva_layers * (2 if eva_back else 1)

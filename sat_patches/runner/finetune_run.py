@@ -322,6 +322,8 @@ def main(argv=None) -> int:
         run_env = dict({k: v for k, v in run_env.items() if k != "LOCAL_WORLD_SIZE"}, CUDA_VISIBLE_DEVICES="")
     else:  # upstream's OPTIONS_NCCL sets LOCAL_WORLD_SIZE for the DeepSpeed launcher
         run_env = dict(run_env, LOCAL_WORLD_SIZE=env["NUM_GPUS_PER_WORKER"])
+    if plan.setup is not None and not env.get("CHECKPOINT_SKIP_LAYERS"):  # the plan's levers, under the user's own
+        run_env = dict(realise.lever_settings(plan.setup), **run_env)
     print(f"sat_patches finetune: {kind}, mode {run_mode}, MP_SIZE={env['MP_SIZE']}, TRAINABLE={env['TRAINABLE']}",
           flush=True)
     print(plan.batch.line(), flush=True)

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from ..cli.plan import checkpointing
+from ..core import settings
 from ..planning import search, shapes
 from ..planning.memory import Setup
 from . import batch
 from .batch import Batch
 from .finetune_check import config_path
+
+SELECTIVE = "SAT_PATCHES_CHECKPOINT_SELECTIVE"   # the user's share, else the plan's (its levers: realise.lever_settings)
 
 
 def gpu_memory_gb() -> Optional[float]:
@@ -62,12 +65,13 @@ def planned(env: Dict[str, str], config: dict, size: int) -> Tuple[Optional[sear
                           offload="offload_optimizer" in zero, micro_batch=given.get("MICRO_BATCH"),
                           checkpoint_skip_layers=given.get("CHECKPOINT_SKIP_LAYERS"), seq_len=int(env["MAX_LENGTH"]),
                           lora_rank=int(env["LORA_RANK"]), train=env["TRAINABLE"],
-                          checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1")
+                          checkpoint_activations=env.get("CHECKPOINT_ACTIVATIONS") == "1",
+                          selective=settings.read(SELECTIVE, env) if env.get(SELECTIVE) else None)
     best = search.recommend([o for o in opts if o.estimate.setup.mp == mp and o.estimate.setup.qlora == qlora])
     if best:
         return best, (f"the fastest that fits {gpus} x {memory:g} GB at MP_SIZE={mp} by the plan "
                       f"({best.estimate.per_gpu / 1e9:.1f} GB per GPU, {best.time.tokens_per_s:.0f} tokens/s "
-                      f"predicted), checkpointed layers: {checkpointing(best.estimate.setup)}")
+                      f"predicted), checkpointing {checkpointing(best.estimate.setup, model['num_layers'])}")
     if "MICRO_BATCH" in given:
         return None, f"nothing fits {gpus} x {memory:g} GB by the plan's estimate"
     fit = [o.estimate.setup for o in opts if o.viable]

@@ -20,6 +20,7 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 
 from ..core import settings
+from ..planning.timing import layer_states
 
 SETTING = "SAT_PATCHES_CHECKPOINT_SELECTIVE"
 _aten = torch.ops.aten
@@ -35,21 +36,6 @@ def keep_matrix_products(ctx, op, *args, **kwargs) -> torch_checkpoint.Checkpoin
 
 
 SELECTIVE = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, keep_matrix_products)
-
-
-def selective_layers(checkpointed: int, share: float) -> int:
-    """How many of a transformer's ``checkpointed`` layers checkpoint selectively at ``share`` (rounded half up);
-    the planner counts layers with this."""
-    return min(checkpointed, int(share * checkpointed + 0.5))
-
-
-def layer_states(layers: int, skip: int, share: float, checkpointing: bool = True) -> list:
-    """Each layer's state, first to last: ``"full"``, ``"selective"`` or ``"none"`` (SAT's last ``skip``)."""
-    if not checkpointing:
-        return ["none"] * layers
-    checkpointed = max(layers - skip, 0)
-    selective = selective_layers(checkpointed, share)
-    return ["full"] * (checkpointed - selective) + ["selective"] * selective + ["none"] * (layers - checkpointed)
 
 
 def _chunk_of(function):

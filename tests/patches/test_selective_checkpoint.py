@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sat_patches.core.settings import SettingError, read
-from sat_patches.runtime.checkpointing import SETTING, expect_layer_chunks, layer_states, selective_layers
+from sat_patches.planning.timing import layer_states, selective_layers
+from sat_patches.runtime.checkpointing import SETTING, expect_layer_chunks
 from fast_paths import add_lora, build_cogvlm, checkpointing, cogvlm_batch, train_step
 
 PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}

@@ -108,6 +108,23 @@ def test_a_layer_term_is_the_measured_layer_at_full_size(name, kind, train, mp, 
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
 
 
+@pytest.mark.parametrize("mp", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("name, kind", [("cogvlm-base-490", "language")] + [
+    pytest.param(*term, marks=pytest.mark.slow) for term in
+    (("cogvlm-base-490", "eva"), ("cogagent-chat", "language"), ("cogagent-chat", "eva"))])
+def test_a_selectively_checkpointed_layer_is_the_measured_layer_at_full_size(name, kind, mp):
+    """One more layer checkpointed selectively (``SAT_PATCHES_CHECKPOINT_SELECTIVE=1``): the plan's step in its
+    activation term equals what the real model keeps (its input and its matrix products' outputs), within 15%,
+    and lies between a fully checkpointed layer and (the language model's) an unchecked one."""
+    config = upstream_config(name)
+    measured = layer_bytes(config, kind, mp, checkpoint=True, selective=1.0)
+    planned = planned_layer_bytes(config, kind, mp, checkpoint=True, selective=1.0)
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
+    assert measured > 4 * measured_layer(name, kind, mp, checkpoint=True)
+    if kind == "language":
+        assert measured < measured_layer(name, kind, mp, checkpoint=False)
+
+
 @pytest.mark.slow  # full-size layers measured on meta (1-2 s each); the fast tier keeps two such terms above
 @pytest.mark.parametrize("mp", [1, 2])
 def test_an_eva_layer_whose_mlp_trains_is_the_measured_layer(mp):

@@ -132,7 +132,9 @@ def test_cli_prints_step_time_and_tokens_per_s_per_row_and_spends_spare_memory(c
     rows = [line.split() for line in out.splitlines() if line.endswith("  ok")]
     assert rows and all(float(r[-3]) > 0 and int(r[-2]) > 1000 for r in rows)
     best = _recommend(gb).estimate.setup
-    assert f"checkpointed layers: all but {best.checkpoint_skip_layers}:" in out
+    layers = CONFIG["num_layers"]
+    share = round(100 * best.checkpoint_skip_layers / layers)
+    assert f"checkpointing full {100 - share}% none {share}%, eager layers:" in out
     assert f"--checkpoint-skip-layers {best.checkpoint_skip_layers}" in out
     assert "tokens/s predicted" in out
 
