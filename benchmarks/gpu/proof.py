@@ -29,6 +29,10 @@ u. The user's own path on the card (``proof_fork.py``): a CogVLM checkout's demo
    per-rank peaks beside the plan. Needs ``--checkout DIR`` (a CogVLM checkout), otherwise ``skipped``.
 w. The full-size CogVLM-17B through the same path at MP=2 on one card, when the card holds both ranks (a 141 GB
    card; skipped with the reason on an 80 GB one). Needs ``--checkout DIR``.
+l. The speed ladder (``proof_ladder.py``): the peer (as part p) and our step with each lever added in turn (routing,
+   layers unchecked, selective, compiled) at the plan's settings for 80 GB (memory capped) and for the card's own
+   size: step time, tokens/s, peak, ratio to the peer, useful-FLOP utilisation, the plan's predicted step beside each.
+   Not in the default parts; needs ``--hf-code DIR`` as part p for the peer's rows.
 
 Prints one table (part, check, status, measured, expected, seconds, detail) and writes ``proof.json``
 (the same rows, the machine, and per part the distributions it imported and the modules stood in) to
@@ -54,7 +58,8 @@ PARTS = {"c": ("CUDA paths", 60), "a": ("full-size LoRA steps, 1 x 80 GB", 260),
          "s": ("two ranks sharing the card: the host relay", 60),
          "h": ("the README's Hugging Face recipes on an export", 180),
          "u": ("the user's path: a checkout's demo at MP=2, two ranks sharing the card", 300),
-         "w": ("full-size CogVLM-17B at MP=2, two ranks sharing the card", 540)}  # part: (title, seconds allowed on an H100)
+         "w": ("full-size CogVLM-17B at MP=2, two ranks sharing the card", 540),
+         "l": ("speed ladder: the peer and our step with each lever added in turn", 420)}  # part: (title, seconds allowed on an H100)
 COLUMNS = ("part", "check", "status", "measured", "expected", "seconds", "detail")
 
 
@@ -63,9 +68,9 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_proof", help="folder for proof.json")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the kit's own test)")
     parser.add_argument("--parts", default="csabp", help="which parts, in order (default: csabp)")
-    parser.add_argument("--hf-code", help="parts p and h: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
+    parser.add_argument("--hf-code", help="parts p, h and l: folder with cogvlm-chat-hf's modeling_cogvlm.py, visual.py, "
                                           "configuration_cogvlm.py")
-    parser.add_argument("--peer-site", help="parts p and h: folder with transformers 4.41.2 and peft 0.11.1 installed "
+    parser.add_argument("--peer-site", help="parts p, h and l: folder with transformers 4.41.2 and peft 0.11.1 installed "
                                             "(put first on sys.path in that part only)")
     parser.add_argument("--checkout", help="parts u and w: a CogVLM checkout (holds utils/ and finetune_demo/)")
     parser.add_argument("--scratch", default=None, help="local disk for part b's checkpoint (default: a temp dir)")
@@ -89,7 +94,7 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
     sys.path[:0] = [HERE, ROOT, os.path.join(os.path.dirname(HERE), "calibration"),
                     os.path.join(ROOT, "tests", "support")]
     from proof_record import Recorder, stand_in_unused
-    if part in ("p", "h"):
+    if part in ("p", "h", "l"):
         import proof_peer
         proof_peer.prepare_imports(peer_site)  # before SAT, which imports transformers
     stand_in_unused(os.path.join(scratch, f"stand_ins_{part}"))
@@ -116,6 +121,9 @@ def run_part(part: str, tiny: bool, json_path: str, scratch: str, hf_code=None, 
     elif part == "h":
         import proof_recipes
         rec.guarded(proof_recipes.run, tiny, hf_code)
+    elif part == "l":
+        import proof_ladder
+        rec.guarded(proof_ladder.run, tiny, hf_code)
     elif part in "uw":
         import proof_fork
         rec.guarded(proof_fork.run if part == "u" else proof_fork.whole, tiny, checkout, scratch)
