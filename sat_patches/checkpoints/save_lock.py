@@ -1,7 +1,8 @@
 """One run saving into a checkpoint folder at a time: the first save of a run takes an exclusive ``flock`` on
 ``<save>/.saving.lock`` and holds it for the run's life, with the holder's host and process id written in the
 file. A second run is refused, naming the file and its holder. The kernel releases the lock when its process
-ends, however it ends: a run stopped mid-save leaves the file behind, never the lock.
+ends, however it ends: a run stopped mid-save leaves the file behind, never the lock. Where the file system
+has no locks, saves go on with a warning.
 """
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import json
 import os
 import re
 import socket
+import warnings
 from typing import Dict, Tuple
+
+from ..core.registry import SatPatchesWarning
 
 LOCK_NAME = ".saving.lock"
 _held: Dict[str, Tuple[int, str]] = {}  # lock file's real path -> (its open descriptor, this run's token)
@@ -37,6 +41,9 @@ def acquire(folder: str) -> str:
         os.close(fd)
         raise SaveLockError(f"another run is saving into '{folder}' ({_describe(holder)}, '{path}'): give this "
                             f"run its own --save folder") from None
+    except OSError as exc:  # a file system without locks (e.g. Lustre mounted without flock): saves go on
+        warnings.warn(f"'{path}' cannot be locked ({exc.strerror}): a second run saving into '{folder}' is not "
+                      f"refused", SatPatchesWarning, stacklevel=2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": token}).encode(), 0)
     _held[key] = (fd, token)  # never closed: the lock lasts as long as this process

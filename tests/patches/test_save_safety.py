@@ -125,6 +125,16 @@ def test_a_run_takes_its_folder_s_lock_once_and_keeps_it(tmp_path):
     assert "BlockingIOError" in other.stderr  # another process cannot take it
 
 
+def test_a_file_system_without_locks_saves_with_a_warning(tmp_path, monkeypatch):
+    from sat_patches.checkpoints import save_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(save_lock.fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot be locked .Function not implemented.: a second run saving"):
+        assert save_lock.acquire(str(tmp_path)).endswith(f"-{os.getpid()}")
+
+
 def test_a_symlink_planted_at_the_temporary_name_is_not_followed(tmp_path, monkeypatch):
     import torch
     from sat_patches.checkpoints import writer
