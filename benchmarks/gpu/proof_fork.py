@@ -406,7 +406,7 @@ def llama_beside_sat(checkout: str, merged: str, hf: str, tiny: bool) -> str:
     """``max |Llama - SAT|`` on text-only input; raises over the tolerance."""
     import torch
     import transformers
-    from sat_patches.export.llama import llama_config_kwargs, llama_state_dict
+    from exported_llama import llama_config_kwargs, llama_state_dict  # tests/support: on sys.path (proof.run_part)
     from sat_patches.export.stream import mapped_tensors, read_header
     dev, dtype = device(), (torch.float32 if tiny else torch.bfloat16)
     with open(os.path.join(hf, "config.json"), encoding="utf-8") as f:

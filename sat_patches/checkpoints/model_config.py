@@ -13,20 +13,27 @@ class CheckpointError(ValueError):
 REQUIRED_CONFIG = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 
 
+def read_json_object(path: str, missing: str, fix: str, error=CheckpointError) -> dict:
+    """The JSON object that ``path`` holds, else ``error`` naming the file and what to do: ``missing`` when there
+    is no such file, ``fix`` when it is not JSON or not an object."""
+    if not os.path.isfile(path):
+        raise error(f"'{path}' not found: {missing}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:
+        raise error(f"'{path}' is not valid JSON ({exc}): {fix}") from exc
+    if not isinstance(data, dict):
+        raise error(f"'{path}' must be a JSON object, not {type(data).__name__}: {fix}")
+    return data
+
+
 def read_model_config(model_path: str, need_class: bool = False) -> dict:
     """``model_config.json`` of a checkpoint, checked for the fields SAT builds a model from."""
     path = os.path.join(model_path, "model_config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"'{path}' not found: from_pretrained builds the model from it (SAT's "
-                              f"save_checkpoint writes it next to 'latest'); copy it from the model's source")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as exc:
-        raise CheckpointError(f"'{path}' is not valid JSON ({exc}): fix or re-create it") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"'{path}' must be a JSON object of the model's settings, not "
-                              f"{type(config).__name__}: re-create it from the model's source")
+    config = read_json_object(path, "from_pretrained builds the model from it (SAT's save_checkpoint writes it next "
+                                    "to 'latest'); copy it from the model's source",
+                              "fix or re-create it from the model's source (a JSON object of its settings)")
     need = REQUIRED_CONFIG + (("model_class",) if need_class else ())
     missing = [k for k in need if k not in config]
     if missing:

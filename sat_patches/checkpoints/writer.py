@@ -5,21 +5,16 @@ single files are replaced the same way (:func:`write_text_atomic`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
 import secrets
 import shutil
-import sys
 from typing import Iterator, Mapping, Optional
 
 import torch
 
 from .files import find_checkpoint
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 
 
 def fsync_dir(path: str) -> None:
@@ -86,34 +81,17 @@ def save_atomic(obj, path: str) -> None:
     _write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
 def replace_dir(staged: str, final: str) -> None:
     """Put the complete directory ``staged`` at ``final`` (a sibling path) with one rename, after
-    fsyncing everything in it; an existing ``final`` is swapped out atomically where the system can
-    (else renamed aside for the moment of the rename) and removed only after the new one is in place."""
+    fsyncing everything in it; an existing ``final`` is renamed aside for the moment of the rename (a crash
+    there leaves it at ``<final>.old-<pid>``, never a partial one at ``final``) and removed only after the
+    new one is in place."""
     fsync_tree(staged)
     old = None
     if os.path.exists(final):
-        if _exchange(staged, final):
-            old = staged                      # the previous directory now sits at the staging path
-        else:                                 # no atomic swap: brief window without ``final``
-            old = f"{final}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(staged, final)
-    else:
-        os.rename(staged, final)
+        old = f"{final}.old-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(staged, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -130,8 +130,6 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             zero_turns_off=True),
     # diagnostics
     Setting("SAT_PATCHES_LEDGER", "switch", True, "record the memory ledger"),
-    Setting("SAT_PATCHES_LEDGER_DIR", "text", None, "where the ledger and console files go (default: the run's "
-            "--save directory)"),
 )}
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import fenced, settings
-from .ledger_files import RANK_CSV, MiB, Row, append, flagged, format_table, host_memory, latest_per_rank, write
+from .ledger_files import MiB, Row, flagged, format_table, host_memory, latest_per_rank, write
 
 
 def cuda_memory() -> Dict[str, float]:
@@ -52,9 +52,6 @@ class Ledger:
                   **host_memory(), **cuda_memory())
         self.rows.append(row)
         self.pending.append(row)
-        early = settings.read("SAT_PATCHES_LEDGER_DIR")
-        if early:  # each rank's own file, written at once: kept when the run dies before the first step
-            append(os.path.join(early, RANK_CSV.format(rank=row.rank)), [row], fresh=len(self.rows) == 1)
         return row
 
     @contextlib.contextmanager
@@ -101,7 +98,7 @@ LEDGER = Ledger()
 
 
 def run_directory(args=None) -> Optional[str]:
-    return settings.read("SAT_PATCHES_LEDGER_DIR") or getattr(args, "save", None) or None
+    return getattr(args, "save", None) or None
 
 
 def train_step_recorded(original, data_iterator, model, optimizer, lr_scheduler, args, timers, *a, **kw):

@@ -4,7 +4,6 @@ torch or SAT, so ``sat-patches report`` starts at once).
 from __future__ import annotations
 
 import csv
-import glob
 import json
 import os
 import resource
@@ -13,7 +12,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Dict, List, Optional
 
 CSV_NAME, JSON_NAME, PNG_NAME = "memory_ledger.csv", "memory_ledger.json", "memory_ledger.png"
-RANK_CSV = "memory_ledger.rank{rank}.csv"   # with SAT_PATCHES_LEDGER_DIR: each rank's rows as they happen
 MiB = 2 ** 20
 FAR_ABOVE_RATIO = 1.25      # a rank is flagged when its peak exceeds the others' median by this factor
 FAR_ABOVE_MIN_MIB = 512     # ... and by at least this much
@@ -71,15 +69,12 @@ def read_csv(path: str) -> List[Row]:
 
 
 def read(run_dir: str) -> List[Row]:
-    """The run's rows: rank 0's table, else (the run ended before its first step) every rank's own file."""
+    """The run's rows (rank 0's table)."""
     path = os.path.join(run_dir, CSV_NAME)
-    if os.path.exists(path):
-        return read_csv(path)
-    own = sorted(glob.glob(os.path.join(run_dir, RANK_CSV.format(rank="*"))))
-    if not own:
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no {CSV_NAME} in {run_dir}: run with sat_patches applied and --save set "
-                                f"(or SAT_PATCHES_LEDGER_DIR) until the first training step")
-    return sorted((r for p in own for r in read_csv(p)), key=lambda r: (r.time, r.rank))
+                                f"until the first training step")
+    return read_csv(path)
 
 
 def latest_per_rank(rows: List[Row]) -> List[Row]:
@@ -124,7 +119,7 @@ def format_table(shown: List[Row], everything: List[Row], title: str = "", where
         head += f" {'CUDA alloc':>10} {'max alloc':>10} {'reserved':>10} {'max resv':>10}"
     flags = flagged(everything)
     lines = [f"[sat_patches memory ledger] {title}".rstrip() + (f" -> {where}" if where else
-                                                               " (set --save or SAT_PATCHES_LEDGER_DIR to keep it)"),
+                                                               " (set --save to keep it)"),
              head]
     for r in shown:
         line = f"{r.rank:>4}  {r.phase:<14} {r.iteration:>6} {r.rss_mib:>9.0f} {r.rss_peak_mib:>9.0f}"

@@ -4,7 +4,6 @@ is checked against the model of ``config.json`` before anything is written.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict
 
@@ -12,22 +11,9 @@ import torch
 from sat.model.position_embedding.triton_rotary_embeddings import FastRotaryEmbedding
 
 from ..checkpoints import sharding, writer
-from ..checkpoints.model_config import check_model_config
+from ..checkpoints.model_config import check_model_config, read_json_object
 from . import names, stream
 from .source import ExportError, build_meta
-
-
-def _read_json(path: str, what: str) -> dict:
-    if not os.path.isfile(path):
-        raise ExportError(f"'{path}' not found: {what}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except ValueError as exc:
-        raise ExportError(f"'{path}' is not valid JSON ({exc}): fix it or download it again") from exc
-    if not isinstance(data, dict):
-        raise ExportError(f"'{path}' is not a JSON object: download it again")
-    return data
 
 
 def shard_files(hf_dir: str) -> Dict[str, str]:
@@ -35,7 +21,7 @@ def shard_files(hf_dir: str) -> Dict[str, str]:
     every file named there present."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index, "").get("weight_map")
+        weight_map = read_json_object(index, "", "download it again", ExportError).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ExportError(f"'{index}' has no weight_map: download it again")
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
@@ -69,8 +55,8 @@ def import_hf(hf_dir: str, out: str, mp: int = 1, overwrite: bool = False) -> di
     if not os.path.isdir(hf_dir):
         raise ExportError(f"'{hf_dir}' is not a folder: pass the Hugging Face model folder (config.json and "
                           f"model-*.safetensors)")
-    hf = _read_json(os.path.join(hf_dir, "config.json"), "pass a Hugging Face model folder (config.json and "
-                    "model-*.safetensors) of CogVLM or CogAgent")
+    hf = read_json_object(os.path.join(hf_dir, "config.json"), "pass a Hugging Face model folder (config.json and "
+                          "model-*.safetensors) of CogVLM or CogAgent", "fix it or download it again", ExportError)
     try:
         config = names.sat_config(hf, mp)
     except (KeyError, TypeError, ValueError) as exc:

@@ -3,8 +3,8 @@ the wrong place, batch sizes that do not divide.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import warnings
 from typing import Optional
 
@@ -113,14 +113,12 @@ def _batch_sizes(config: dict, world_size: Optional[int], mp: int, batch_size: O
 
 def deepspeed_config_path(args_list=None) -> Optional[str]:
     """The ``--deepspeed_config`` (or ``--deepspeed-config``) path of ``args_list`` (else ``sys.argv``)."""
-    argv = list(sys.argv[1:] if args_list is None else args_list)
-    for i, a in enumerate(argv):
-        for flag in ("--deepspeed_config", "--deepspeed-config"):
-            if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--deepspeed_config", "--deepspeed-config")
+    try:
+        return parser.parse_known_args(args_list)[0].deepspeed_config
+    except argparse.ArgumentError:  # the flag without a path
+        return None
 
 
 def get_args_naming_bad_json(original, args_list=None, parser=None):

@@ -231,7 +231,7 @@ CASES = [
     (model_config_heads_not_dividing, "num_attention_heads 5 does not divide hidden_size 64", None),
     (model_config_eva_args_not_a_mapping, "eva_args is list, not a mapping of the vision tower's settings", None),
     (model_config_eva_args_bad_size, "model_config.json' eva_args: num_layers is 0", None),
-    (model_config_not_an_object, "must be a JSON object of the model's settings, not list", None),
+    (model_config_not_an_object, "must be a JSON object, not list: fix or re-create it", None),
     (dataset_empty, "it holds no .jpg file", None),
     (dataset_all_unreadable, "3 image(s) of", None),
     (dataset_some_unreadable, "1 image(s) of", None),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sat_patches.export.hf import export_hf
-from sat_patches.export.llama import llama_config_kwargs, llama_state_dict
+from exported_llama import llama_config_kwargs, llama_state_dict  # tests/support
 
 from .helpers import build, config_of, save
 from .test_round_trip import hf_tensors

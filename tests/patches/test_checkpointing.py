@@ -89,7 +89,7 @@ def test_crash_mid_save_stock_sat_loses_checkpoint(tmp_path):
 
 
 def test_publish_replaces_existing_iteration_atomically(tmp_path):
-    """Re-saving an existing iteration (SAT's final save) swaps the directory; latest written last."""
+    """Re-saving an existing iteration (SAT's final save) replaces the directory; latest written last."""
     import torch
     from sat_patches.checkpoints.saving import publish
     from sat_patches.checkpoints.loading import find_checkpoint

@@ -2,10 +2,10 @@
 symlink planted at a temporary name, an fsync that fails. 2 CPU ranks run the atomic save around a
 stand-in for SAT's ``save_checkpoint`` (rank 0 writes the layout, every rank ends at a barrier)."""
 import errno
-import json
 import os
-import socket
+import re
 import subprocess
+import sys
 import warnings
 
 import pytest
@@ -34,12 +34,18 @@ def _stand_in(fail: bool):
     return save_checkpoint
 
 
-def _plant_lock(save, pid):
-    with open(os.path.join(save, ".saving.lock"), "w") as f:
-        json.dump({"host": socket.gethostname(), "pid": pid, "token": f"elsewhere-{pid}"}, f)
+# another run's lock, held as save_lock holds it (the record written after the flock) until the process is killed
+HOLDER = """import fcntl, json, os, socket, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+print("held", flush=True)
+sys.stdin.read()
+"""
 
 
-def _saves(save, live_pid, dead_pid):
+def _saves(save):
     import argparse
     import torch.distributed as dist
     from sat import mpu
@@ -66,11 +72,15 @@ def _saves(save, live_pid, dead_pid):
 
     if rank == 0:
         os.makedirs(os.path.join(save, ".saving-2", "2"))  # left by a save that crashed in an earlier run
-        _plant_lock(save, live_pid)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, os.path.join(save, ".saving.lock")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "held\n"
+        seen["holder"] = holder.pid
     dist.barrier()
     attempt("second run")
-    if rank == 0:
-        _plant_lock(save, dead_pid)
+    if rank == 0:  # the other run is killed: its lock goes with it, its record stays in the file
+        holder.kill()
+        holder.wait()
     dist.barrier()
     attempt("disk full", fail=True)
     attempt("next save")
@@ -81,27 +91,48 @@ def _saves(save, live_pid, dead_pid):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_full_disk_leaves_no_staging_folder_a_second_live_run_is_refused_a_dead_ones_lock_taken_over(tmp_path):
+def test_full_disk_leaves_no_staging_folder_a_second_live_run_is_refused_a_killed_ones_lock_is_free(tmp_path):
     save = tmp_path / "run"
     save.mkdir()
-    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no live run
-    dead.wait()
-    results = run_ranks(_saves, 2, args=(str(save), os.getpid(), dead.pid), timeout=120)
+    results = run_ranks(_saves, 2, args=(str(save),), timeout=120)
+    holder = results[0].result["holder"]
     for r in results:
         assert r.result, r.output[-3000:]
         seen = r.result
-        # a live run holds the folder: refused on every rank, nothing written
-        assert seen["second run"].startswith("CheckpointSaveError") and f"process {os.getpid()}" in seen["second run"]
+        # a live run holds the folder: refused on every rank, naming the lock file and its holder, nothing written
+        assert seen["second run"].startswith("CheckpointSaveError"), seen
+        assert re.search(rf"process {holder} on host .*'{re.escape(str(save))}/.saving.lock'", seen["second run"])
         assert "give this run its own --save folder" in seen["second run"]
         assert seen["second run files"] == [".saving-2", ".saving.lock"]
-        # the disk fills during the save: the error surfaces, the staging folder (and the stale one) are gone
-        assert "No space left on device" in seen["disk full"], seen
+        # the holder was killed: the lock is free (no warning); the disk fills during the save: the error
+        # surfaces, the staging folder (and the stale one) are gone
+        assert "No space left on device" in seen["disk full"] and seen["disk full"].endswith(" | "), seen
         assert seen["disk full files"] == [".saving.lock"], seen
         # the next save succeeds
         assert seen["next save"].startswith("saved"), seen
         assert seen["next save files"] == [".saving.lock", "4", "latest", "model_config.json"], seen
         assert seen["latest"] == "4"
-    assert f"held by process {dead.pid} on this host, which has ended" in results[0].result["disk full"]
+
+
+def test_a_run_takes_its_folder_s_lock_once_and_keeps_it(tmp_path):
+    from sat_patches.checkpoints import save_lock
+    token = save_lock.acquire(str(tmp_path))
+    assert save_lock.acquire(str(tmp_path)) == token  # its later saves
+    record = (tmp_path / ".saving.lock").read_text()
+    assert f'"pid": {os.getpid()}' in record and token in record
+    other = subprocess.run([sys.executable, "-c", HOLDER.replace("LOCK_EX", "LOCK_EX | fcntl.LOCK_NB"),
+                            str(tmp_path / ".saving.lock")], input="", capture_output=True, text=True)
+    assert "BlockingIOError" in other.stderr  # another process cannot take it
+
+
+def test_a_file_system_without_locks_saves_with_a_warning(tmp_path, monkeypatch):
+    from sat_patches.checkpoints import save_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(save_lock.fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="cannot be locked .Function not implemented.: a second run saving"):
+        assert save_lock.acquire(str(tmp_path)).endswith(f"-{os.getpid()}")
 
 
 def test_a_symlink_planted_at_the_temporary_name_is_not_followed(tmp_path, monkeypatch):
