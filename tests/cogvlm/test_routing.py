@@ -26,12 +26,12 @@ def experts(width=8, out=5, seed=0):
 
 
 @pytest.mark.parametrize("mask, kind", [
-    (COGVLM_LAYOUT, "block"),
-    (torch.tensor([[1, 1, 0, 0, 0]] * 2), "block"),                     # at the start
-    (torch.tensor([[0, 0, 0, 1, 1]] * 2), "block"),                     # at the end
-    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]]), "index"),        # rows differ
-    (torch.tensor([[0, 1, 0, 1, 0], [0, 1, 0, 1, 0]]), "index"),        # not one run
-    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), "index"),        # a text-only row
+    (COGVLM_LAYOUT, "mixed"),
+    (torch.tensor([[1, 1, 0, 0, 0]] * 2), "mixed"),                     # at the start
+    (torch.tensor([[0, 0, 0, 1, 1]] * 2), "mixed"),                     # at the end
+    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]]), "mixed"),        # rows differ
+    (torch.tensor([[0, 1, 0, 1, 0], [0, 1, 0, 1, 0]]), "mixed"),        # not one run
+    (torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), "mixed"),        # a text-only row
     (torch.zeros(2, 5, dtype=torch.long), "language"),
     (torch.ones(2, 5, dtype=torch.long), "vision"),
 ])
@@ -68,10 +68,10 @@ def test_the_memo_serves_detached_copies_and_sees_in_place_writes():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_the_model_routed_by_block_equals_mask_routing(checkpointing):
+def test_the_model_routed_equals_mask_routing(checkpointing):
     model, args = build(checkpointing)
     batch = batch_for(args)
-    assert expert_routing(batch["vision_expert_mask"]).kind == "block"
+    assert expert_routing(batch["vision_expert_mask"]).kind == "mixed"
     fast_logits, fast_grads = step(model, batch)
     with boolean_mask_routing():
         ref_logits, ref_grads = step(model, batch)
@@ -81,11 +81,11 @@ def test_the_model_routed_by_block_equals_mask_routing(checkpointing):
         assert torch.allclose(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_a_ragged_batch_routes_by_index_with_the_same_values():
+def test_a_ragged_batch_routes_with_the_same_values():
     model, args = build(False)
     batch = batch_for(args)
     batch["vision_expert_mask"][1] = 0           # a text-only sample beside one with an image
-    assert expert_routing(batch["vision_expert_mask"]).kind == "index"
+    assert expert_routing(batch["vision_expert_mask"]).kind == "mixed"
     fast_logits, fast_grads = step(model, batch)
     with boolean_mask_routing():
         ref_logits, ref_grads = step(model, batch)
