@@ -104,21 +104,24 @@ class LoraLinear(nn.Module):
         for b in self.matrix_B:
             b.zero_()
 
-    def _lora(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        xa = x @ a.t()
-        if self.kind == ROW:  # x and A are this rank's slices: their products add up to x @ A^T
-            xa = mappings.reduce_from_model_parallel_region(xa)
-        elif self.kind == COLUMN:  # backward: dL/d(xA^T) sums over the output slices of all ranks
-            xa = mappings.copy_to_model_parallel_region(xa)
-        return xa @ b.t()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.original(x)
         x = self.lora_dropout(x)
-        if self.kind == ROW and not self.input_is_parallel:
+        parallel = self.kind != PLAIN and get_model_parallel_world_size() > 1  # (at one rank the maps are identities)
+        if parallel and self.kind == ROW and not self.input_is_parallel:
             x = mappings.scatter_to_model_parallel_region(x)
-        lora = torch.cat([self._lora(x, a, b) for a, b in zip(self.matrix_A, self.matrix_B)], -1)
-        if self.kind == COLUMN and self.gather_output:
+        # the partitions' A in one product: x @ [A_0; A_1; ...]^T is [x @ A_0^T, x @ A_1^T, ...]
+        a = self.matrix_A[0] if len(self.matrix_A) == 1 else torch.cat(list(self.matrix_A))
+        xa = x @ a.t()
+        if parallel and self.kind == ROW:  # x and A are this rank's slices: their products add up to x @ A^T
+            xa = mappings.reduce_from_model_parallel_region(xa)
+        elif parallel and self.kind == COLUMN:  # backward: dL/d(xA^T) sums over the output slices of all ranks
+            xa = mappings.copy_to_model_parallel_region(xa)
+        if len(self.matrix_B) == 1:
+            lora = xa @ self.matrix_B[0].t()
+        else:
+            lora = torch.cat([part @ b.t() for part, b in zip(xa.split(self.r, -1), self.matrix_B)], -1)
+        if parallel and self.kind == COLUMN and self.gather_output:
             lora = mappings.gather_from_model_parallel_region(lora)
         return out + lora * self.scaling
 
