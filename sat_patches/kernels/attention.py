@@ -29,8 +29,11 @@ mask_kind = TensorMemo(read_mask_kind)
 
 
 def _expand_heads(layer: torch.Tensor, heads: int) -> torch.Tensor:
-    """Multi-query attention: each key/value head repeated over its group of query heads, contiguous, as SAT does."""
+    """Multi-query attention: each key/value head repeated over its group of query heads, contiguous, as SAT does
+    (one head per query head: the same tensor, contiguous)."""
     batch, kv_heads = layer.shape[:2]
+    if kv_heads == heads:
+        return layer.contiguous()
     return layer.unsqueeze(2).expand(-1, -1, heads // kv_heads, -1, -1).contiguous().view(batch, heads, *layer.shape[2:])
 
 
