@@ -50,6 +50,22 @@ def test_routing_gives_the_masks_values_and_gradients(mask, kind):
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_each_expert_is_given_its_tokens_as_one_contiguous_matrix():
+    """As upstream's boolean gathers give them: one ``[tokens, features]`` product per expert, no batched one."""
+    seen = {}
+
+    def expert(name, layer):
+        def run(x):
+            seen[name] = (x.dim(), x.is_contiguous(), x.shape[0])
+            return layer(x)
+        return run
+
+    language, vision = experts()
+    routing = ExpertRouting.of_mask(COGVLM_LAYOUT)
+    routing.apply(torch.randn(*COGVLM_LAYOUT.shape, 8), expert("language", language), expert("vision", vision))
+    assert seen == {"language": (2, True, 15), "vision": (2, True, 12)}
+
+
 def test_a_mask_of_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
         ExpertRouting.of_mask(torch.ones(2, 3, 4))
@@ -67,9 +83,10 @@ def test_the_memo_serves_detached_copies_and_sees_in_place_writes():
     assert len(memo._entries) == 0                                           # nothing kept alive
 
 
+@pytest.mark.parametrize("kind", ["cogvlm", "cogagent"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_the_model_routed_equals_mask_routing(checkpointing):
-    model, args = build(checkpointing)
+def test_the_model_routed_equals_mask_routing(checkpointing, kind):
+    model, args = build(checkpointing, kind=kind)
     batch = batch_for(args)
     assert expert_routing(batch["vision_expert_mask"]).kind == "mixed"
     fast_logits, fast_grads = step(model, batch)
@@ -135,3 +152,21 @@ def test_attention_expands_grouped_key_value_heads_as_sat_does():
         from sat.transformer_defaults import attention_fn_default as sats
         expected = sats(q, k, v, mask)
     assert torch.allclose(attention_fn_default(q, k, v, mask), expected, atol=1e-6)
+
+
+def test_keys_and_values_with_one_head_per_query_head_are_not_re_expanded():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sat.transformer_defaults import attention_fn_default
+    names = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(2, 6, 4, 8).transpose(1, 2) for _ in range(3))  # as SAT's layers hand them over
+    mask = torch.ones(6, 6).tril()[None, None]
+    attention_fn_default(q, k, v, mask)
+    with Names():
+        attention_fn_default(q, k, v, mask)
+    assert "expand" not in names and names.count("clone") == 2  # made contiguous, as SAT's expand by one did

@@ -116,6 +116,64 @@ def test_model_parallel_flags_mark_exactly_the_split_factors():
         assert _split_flags() != want
 
 
+# -- the forward: one product for the A factors ---------------------------------------------
+
+class Operations(TorchDispatchMode):
+    """The aten operations dispatched inside, by name."""
+
+    def __enter__(self):
+        self.names = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _fused_qkv_lora(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = build(num_layers=1, use_bias=False, lora_rank=4, dtype=dtype)
+    randomize_b(model)
+    return model.transformer.layers[0].attention.query_key_value
+
+
+def _per_partition(layer, x):
+    """Stock SAT's LoRA forward (one product per A and per B; the model-parallel maps are identities at one rank)."""
+    lora = torch.cat([x @ a.t() @ b.t() for a, b in zip(layer.matrix_A, layer.matrix_B)], -1)
+    return layer.original(x) + lora * layer.scaling
+
+
+def test_a_fused_qkv_lora_multiplies_its_three_a_factors_in_one_product(monkeypatch):
+    layer = _fused_qkv_lora()
+    x = torch.randn(10, 64, requires_grad=True)
+    with Operations() as ops:
+        layer(x)
+    assert ops.names.count("mm") == 1 + 1 + 3  # the base, the A factors together, each B
+
+    def refuse(_):
+        raise AssertionError("a model-parallel map at one rank (an identity autograd node, one view more)")
+    monkeypatch.setattr(lora_layer.mappings, "copy_to_model_parallel_region", refuse)
+    layer(x)
+
+
+def test_one_product_for_the_a_factors_gives_the_per_partition_values_and_gradients(dtype=torch.float32):
+    layer = _fused_qkv_lora(dtype)
+    x = torch.randn(2, 10, 64, dtype=dtype)
+    weight = torch.randn(2, 10, 192, dtype=dtype)
+    results = []
+    for forward in (layer, lambda t: _per_partition(layer, t)):
+        leaf = x.clone().requires_grad_()
+        out = forward(leaf)
+        grads = torch.autograd.grad((out.float() * weight.float()).sum(), [leaf, *layer.matrix_A, *layer.matrix_B])
+        results.append((out, grads))
+    (out, grads), (plain_out, plain_grads) = results
+    # the same up to the rounding of the products (a kernel may block a product of 3r columns unlike one of r),
+    # and one rounding of the layer input's gradient from the A factors, not three summed
+    torch.testing.assert_close(out, plain_out)
+    for grad, plain in zip(grads, plain_grads):
+        torch.testing.assert_close(grad, plain)
+
+
 # -- meta base, bounded temporaries -----------------------------------------------------------
 
 class Allocations(TorchDispatchMode):

@@ -96,3 +96,47 @@ def test_import_sat_needs_the_import_patch_without_triton():
     assert out.returncode != 0 and "No module named 'triton'" in out.stderr
     out = run("import sat_patches, sat")
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _rotation_by_halves(x, cos, sin, pos, rotary_dim, conjugate=False):
+    """The rotation written out per half, as the kernel computed it before its tables: the reference."""
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    s = -s if conjugate else s
+    half = rotary_dim // 2
+    x0, x1 = x[..., :half], x[..., half:rotary_dim]
+    out = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).to(x.dtype)
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float32)], ids=["bf16", "fp32", "bf16-fp32"])
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["whole-head", "part"])
+@pytest.mark.parametrize("conjugate", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_the_kernel_gives_the_rotation_by_halves_bit_for_bit(dtype, cache_dtype, rotary_dim, conjugate, inplace):
+    from sat_patches.kernels.rotary import apply_rotary
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 9, 16, generator=g).to(dtype)
+    angle = torch.randn(12, rotary_dim // 2, generator=g)
+    cos, sin = angle.cos().to(cache_dtype), angle.sin().to(cache_dtype)
+    pos = torch.randint(0, 12, (2, 9), generator=g)
+    expected = _rotation_by_halves(x, cos, sin, pos, rotary_dim, conjugate)
+    out = apply_rotary(x.clone(), cos, sin, pos, conjugate=conjugate, inplace=inplace)
+    assert torch.equal(out, expected)
+
+
+def test_the_positions_cos_and_sin_are_gathered_once_for_every_layer():
+    """Every layer's queries and keys (and, backward, their gradients) share one gather of the cache's rows."""
+    from sat_patches.kernels.rotary import rotary_tables
+    rotary = FastRotaryEmbedding(16)
+    pos = torch.tensor([[0, 1, 1, 1, 2, 3, 4], [0, 0, 1, 2, 3, 5, 6]])
+    before = rotary_tables.computed
+    weight = _qk()[0]
+    for layer in range(4):
+        q, k = (t.requires_grad_() * 1.0 for t in _qk())
+        q, k = rotary(q, k, pos, max_seqlen=7)
+        ((q + k) * weight).sum().backward()
+    assert rotary_tables.computed - before == 2  # the rotation and its inverse
+    pos[0, 0] = 1  # other positions: gathered again
+    rotary(*_qk(), pos, max_seqlen=7)
+    assert rotary_tables.computed - before == 3
