@@ -9,8 +9,10 @@ of the released code, ``tests/support/cogvlm_hf_standin``: the released code is 
 micro-batch, every layer checkpointed. A step here is forward, loss and backward (no optimizer). Per layer: the
 difference between the steps at 32 and at 16 language layers, over 16, so that the embedding, EVA, the head and the
 loss cancel. Time: the fastest of ``--steps`` steps after a warm-up, the stacks in turns; operations: aten operations dispatched
-(``TorchDispatchMode``) in one step, recomputation included. At tiny widths the time is the host's: Python and
-dispatch per layer.
+(``TorchDispatchMode``) in one step, recomputation included. At tiny widths much of the time is the host's (Python
+and dispatch per layer); the CPU's bf16 products and attention kernels take the rest. This is the CPU path
+of each stack: SAT's rotary embedding runs sat_patches' torch kernel here (with triton on CUDA, SAT's own kernel, which
+dispatches no aten operation), and attention is ``scaled_dot_product_attention`` on the CPU.
 """
 from __future__ import annotations
 
