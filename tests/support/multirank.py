@@ -1,4 +1,4 @@
-"""Run a function or a script on N local CPU ranks started by torchrun, with a hard timeout.
+"""Run a function or a script on N local CPU ranks started by torchrun, with a hard timeout (counted from when every rank has started).
 
 Each run starts ``python -m torch.distributed.run --nproc-per-node N --master-addr 127.0.0.1 --master-port P
 -m _rank_main ...`` (``nodes`` > 1: one torchrun per node, with ``--nnodes`` and ``--node-rank``), so every
@@ -12,8 +12,8 @@ once for all such runs, its ranks forked from it; else a new interpreter whose r
 the run's own; ``fresh=True`` (or ``SATP_TEST_FRESH=1``) runs torchrun itself, every rank a new interpreter.
 
 Each rank's output, result and exit status (a signal's too) land in the run's folder (:mod:`_rank_main`). A rank
-still running at the timeout is killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one
-that never started has ``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other
+still running at the timeout (counted from when every rank wrote its pid; starting may take :data:`START_LIMIT`) is
+killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one that never started has ``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other
 ranks of its node with SIGTERM when one fails (``returncode`` ``-SIGTERM``): a test whose survivors must outlive a
 failed rank puts the ranks on separate nodes (``nodes=nranks``), as on a multi-node job.
 """
@@ -36,6 +36,7 @@ from sat_patches.core.ports import free_port
 # stock SAT can be imported and run on CPU at all.
 CPU_STANDINS = ("triton_rotary_import", "rotary_torch_fallback")
 IMPORT_ENV = "SATP_TEST_IMPORT"   # "1": the rank imports sat_patches before its code
+START_LIMIT = 300.0               # seconds the ranks may take to start, before the run's timeout begins
 EXIT_GRACE = 10.0                 # seconds torchrun may take to exit once every rank has ended (its exit barrier)
 
 
@@ -207,9 +208,14 @@ def _launch(workdir: str, nranks: int, nodes: int, rank_args: Sequence[str], tim
         with open(log_path, "w") as log:
             agents.append(subprocess.Popen([sys.executable, "-m", launcher, *options], env=agent_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
-    deadline, ended_at = time.monotonic() + timeout, None
+    # the timeout counts from when every rank has started: how long interpreters take to start on a loaded machine is
+    # not the test's (a rank that hangs must get the time its test gives it); starting has a limit of its own
+    deadline, ended_at = time.monotonic() + START_LIMIT + timeout, None
+    started = False
     try:
         while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+            if not started and all(os.path.exists(f["pid"]) for f in files.values()):
+                started, deadline = True, time.monotonic() + timeout
             if ended_at is None and all(os.path.exists(f["status"]) for f in files.values()):
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > EXIT_GRACE:

@@ -112,7 +112,7 @@ def test_patched_and_stock_ranks_differ():
 def test_a_hanging_rank_is_killed_at_the_timeout_after_its_faulthandler_dump():
     started = time.monotonic()
     [r] = run_ranks(hang, 1, args=(0.5,), patches=False, timeout=8)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60     # its start-up (not counted by the timeout), 8 s, no more
     assert r.timed_out and r.returncode == -signal.SIGKILL and not r.ok
     assert "hanging" in r.stdout
     assert "Thread 0x" in r.stderr or "Current thread 0x" in r.stderr, r.stderr[-2000:]
