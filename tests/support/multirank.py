@@ -13,9 +13,10 @@ the run's own; ``fresh=True`` (or ``SATP_TEST_FRESH=1``) runs torchrun itself, e
 
 Each rank's output, result and exit status (a signal's too) land in the run's folder (:mod:`_rank_main`). A rank
 still running at the timeout (counted from when every rank wrote its pid; starting may take :data:`START_LIMIT`) is
-killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one that never started has ``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other
-ranks of its node with SIGTERM when one fails (``returncode`` ``-SIGTERM``): a test whose survivors must outlive a
-failed rank puts the ranks on separate nodes (``nodes=nranks``), as on a multi-node job.
+killed with its process group (``timed_out``, ``returncode`` ``-SIGKILL``); one that never started has
+``returncode`` None and torchrun's own output as its ``stderr``. torchrun ends the other ranks of its node with
+SIGTERM when one fails (``returncode`` ``-SIGTERM``): a test whose survivors must outlive a failed rank puts the
+ranks on separate nodes (``nodes=nranks``), as on a multi-node job.
 """
 from __future__ import annotations
 
