@@ -61,10 +61,10 @@ def rungs(config: dict, memory_gb: float, tiny: bool) -> List[Rung]:
         # the plan's fastest setting with selective layers, even where it prefers none: the lever is measured
         asked = search.recommend([o for o in asked if o.estimate.setup.selective_share]) or plain
         selective = replace(asked.estimate.setup, accumulation=1)
-    out = [Rung("routing", base, {}), Rung("layers unchecked", unchecked, {}),
-           Rung("selective", selective, realise.lever_settings(selective)),
-           Rung("compiled", replace(unchecked, compiled=True), realise.lever_settings(replace(unchecked, compiled=True)))]
-    return out
+    compiled = replace(unchecked, compiled=True)
+    return [Rung("routing", base, {}), Rung("layers unchecked", unchecked, {}),
+            Rung("selective", selective, realise.lever_settings(selective)),
+            Rung("compiled", compiled, realise.lever_settings(compiled))]
 
 
 def planned_seconds(config: dict, setup, memory_gb: float) -> float:
@@ -237,8 +237,8 @@ def _targets(rec: Recorder, setting: str, memory_gb: float, lines: List[dict], p
 
 def ladder_table(lines: List[dict]) -> str:
     """The ladder as a Markdown table (``proof.json`` keeps the rows under ``ladder_table``)."""
-    out = ["| setting | rung | micro-batch | step | tokens/s | peak | utilisation | over the peer | plan | first loss |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| setting | rung | micro-batch | step | tokens/s | peak | utilisation | over the peer | plan "
+           "| first loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in lines:
         out.append(f"| {x['setting']} | {x['rung']} | {x['micro_batch']} | {x['seconds']:.3f} s | "
                    f"{x['tokens_per_s']:,.0f} | {'-' if x['peak'] is None else gb(x['peak'])} | "

@@ -155,8 +155,9 @@ def expert_attention_forward(mixin, hidden_states, mask, **kw_args):
     key = str(layer_id)
     routing = routing_for(layer_id, mixin.vision_layer_range, kw_args) if mixin.use_vision_expert else None
 
-    mixed = route(hidden_states, routing, attention.query_key_value,
-                  lambda x: mixin.vision_query_key_value_list[key](x))
+    project = layer_body(route)  # the routed projections, as the MLP (modules passed in: one graph per kind)
+    mixed = project(hidden_states, routing, attention.query_key_value,
+                    routing and mixin.vision_query_key_value_list[key])
     query, key_layer, value = (attention._transpose_for_scores(t)
                                for t in split_tensor_along_last_dim(mixed, 3))
     position_ids = kw_args["position_ids"]
@@ -167,7 +168,7 @@ def expert_attention_forward(mixin, hidden_states, mask, **kw_args):
     context = context.permute(0, 2, 1, 3).contiguous()
     context = context.view(*context.shape[:-2], attention.hidden_size_per_partition)
 
-    output = route(context, routing, attention.dense, lambda x: mixin.vision_dense_list[key](x))
+    output = project(context, routing, attention.dense, routing and mixin.vision_dense_list[key])
     if attention.training:
         output = attention.output_dropout(output)
     return output.contiguous()

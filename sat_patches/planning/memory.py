@@ -44,7 +44,7 @@ class Setup:
     train: str = "lora"             # lora | demo (upstream finetune_demo's trainable set)
     checkpoint_activations: bool = True
     checkpoint_skip_layers: int = 0  # the last N language layers not checkpointed (SAT's), the same share of EVA's
-    selective_share: float = 0.0    # of each transformer's checkpointed layers, checkpointed selectively (the last ones)
+    selective_share: float = 0.0    # of each transformer's checkpointed layers, the last ones checkpointed selectively
     compiled: bool = False          # the layers' bodies torch.compile'd (SAT_PATCHES_COMPILE_LAYERS=1)
     qlora: bool = False             # NF4 base (upstream's --use_qlora): MP=1, LoRA on the language model only
     device: str = "cuda"            # cuda | cpu (CPU ranks: everything is host memory)
