@@ -5,8 +5,8 @@ with PEFT, as part p builds it) and our step with each lever added in turn, at t
 2. layers unchecked: the plan's last layers left out of checkpointing;
 3. selective: the plan's fastest setting with a share of the checkpointed layers checkpointed selectively
    (``plan --selective``, ``SAT_PATCHES_CHECKPOINT_SELECTIVE``), even where the plan prefers none;
-4. compiled: rung 2 with each layer's vision-expert MLP torch.compile'd (``SAT_PATCHES_COMPILE_LAYERS=1``; the
-   selective checkpoint does not combine with it).
+4. compiled: rung 2 with each layer's vision-expert MLP and routed attention projections torch.compile'd
+   (``SAT_PATCHES_COMPILE_LAYERS=1``; the selective checkpoint does not combine with it).
 
 Each at the plan's micro-batch for 80 GB (memory capped to 80 GB with ``set_per_process_memory_fraction`` on a larger
 card) and, on a card of another size, for the card's own size. Per rung: step time (median after the warm-up
