@@ -4,8 +4,8 @@
 
 Useful FLOP: forward plus the input gradients of the parts gradients flow through; recomputed FLOP: the forward of
 each fully checkpointed layer again (a selectively checkpointed one keeps its matrix products' outputs and recomputes
-only its elementwise work: a layer pass, no FLOP counted). The two constants were fitted on an H200 (``tests/planning/test_plan_timing.py``
-holds the table). Communication, offload and NF4 dequantisation are not modelled.
+only its elementwise work: a layer pass, no FLOP counted). The two constants were fitted on an H200
+(``tests/planning/test_plan_timing.py`` holds the table). Communication, offload and NF4 dequantisation are not modelled.
 """
 from __future__ import annotations
 
