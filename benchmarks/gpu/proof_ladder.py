@@ -21,10 +21,12 @@ part p, otherwise the peer's rows are ``skipped`` and the ratios are left out.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
+from unittest import mock
 
 import peer_figures as figures
 from proof_record import Recorder, Skip, cuda, device, gb
@@ -33,6 +35,7 @@ CAP_GB = 80                     # the plan's setting every card runs (memory cap
 TARGETS = {80: (1.5, 0.45), 141: (2.0, 0.50)}   # card memory: (tokens/s over the peer, useful-FLOP utilisation)
 PLAN_TOLERANCE = 0.10
 RUNGS = ("routing", "layers unchecked", "selective", "compiled")
+LEVER_SETTINGS = frozenset({"SAT_PATCHES_CHECKPOINT_SELECTIVE", "SAT_PATCHES_COMPILE_LAYERS"})
 STEPS = {False: 4, True: 2}     # tiny?: steps per rung (the compiled rung: two more, its compilation warms up)
 
 
@@ -84,23 +87,14 @@ def set_checkpointing(model, config: dict, setup) -> None:
     eva.checkpoint_skip_layers = eva_skip_layers(setup.checkpoint_skip_layers, len(language.layers), len(eva.layers))
 
 
-class _Levers:
-    """The rung's sat_patches settings in this process's environment while it runs (read at each call)."""
-
-    NAMES = ("SAT_PATCHES_CHECKPOINT_SELECTIVE", "SAT_PATCHES_COMPILE_LAYERS")
-
-    def __init__(self, levers: Dict[str, str]):
-        self.levers, self.saved = levers, {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.pop(k, None) for k in self.NAMES}
-        os.environ.update(self.levers)
-
-    def __exit__(self, *exc):
-        for k in self.NAMES:
-            os.environ.pop(k, None)
-            if self.saved[k] is not None:
-                os.environ[k] = self.saved[k]
+@contextlib.contextmanager
+def levers_set(levers: Dict[str, str]):
+    """The rung's sat_patches settings, and only those, in this process's environment while it runs (read at each
+    call); the environment as it was afterwards."""
+    with mock.patch.dict(os.environ, levers):
+        for name in LEVER_SETTINGS.difference(levers):
+            os.environ.pop(name, None)
+        yield
 
 
 def cap_memory(memory_gb: float) -> str:
@@ -173,7 +167,7 @@ def _climb(rec, config, setting, memory_gb, ladder, inputs, tiny, figures_of, pe
         planned = planned_seconds(config, rung.setup, memory_gb)
         label = f"{setting}: {rung.name} ({checkpointing_of(config, rung.setup)}, {rung.setup.micro_batch} a step)"
         with rec.check(label, expected=f"plan {planned:.3f} s") as row:
-            with _Levers(rung.levers):
+            with levers_set(rung.levers):
                 _restore(model, start)  # and the labels train_steps draws
                 set_checkpointing(model, config, rung.setup)
                 count = STEPS[tiny] + (2 if rung.setup.compiled else 0)

@@ -39,7 +39,7 @@ def test_the_rungs_are_the_plans_settings_with_one_lever_added_each(memory_gb):
 def test_a_rungs_levers_are_set_while_it_runs_only(monkeypatch):
     monkeypatch.setenv("SAT_PATCHES_COMPILE_LAYERS", "0")
     monkeypatch.delenv("SAT_PATCHES_CHECKPOINT_SELECTIVE", raising=False)
-    with proof_ladder._Levers({"SAT_PATCHES_CHECKPOINT_SELECTIVE": "0.5"}):
+    with proof_ladder.levers_set({"SAT_PATCHES_CHECKPOINT_SELECTIVE": "0.5"}):
         assert os.environ["SAT_PATCHES_CHECKPOINT_SELECTIVE"] == "0.5"
         assert "SAT_PATCHES_COMPILE_LAYERS" not in os.environ
     assert os.environ["SAT_PATCHES_COMPILE_LAYERS"] == "0" and "SAT_PATCHES_CHECKPOINT_SELECTIVE" not in os.environ
